@@ -1,0 +1,55 @@
+"""ddp_eval: exact, sharded evaluation and safe checkpoints for SpeechBrain under torchrun.
+
+Public API
+----------
+DDPEvalMixin
+    ``class MyBrain(DDPEvalMixin, sb.Brain)``: shards VALID/TEST, merges loss and metrics.
+Checkpointer
+    Drop-in ``speechbrain.utils.checkpoints.Checkpointer``: atomic, rank-0 writes.
+DDPEvalConfig
+    The ``ddp_eval:`` hparams section.
+shard_dataloader, ShardedBatchSampler, shard_batches
+    Sharding of evaluation batches (e.g. for a ready DataLoader).
+merge_metric_stats, find_metric_objects
+    Pure merge of per-rank metric state; discovery of metric objects.
+Errors
+    DDPEvalError and its subclasses.
+"""
+
+from ddp_eval.checkpoint import Checkpointer, inspect_checkpoint_dir
+from ddp_eval.config import DDPEvalConfig
+from ddp_eval.errors import (
+    CheckpointWriteError,
+    CollectiveTimeoutError,
+    ConfigError,
+    DDPEvalError,
+    OutOfStepError,
+    RankFailedError,
+    StateDivergenceError,
+    StorageError,
+)
+from ddp_eval.metrics import find_metric_objects, merge_metric_stats
+from ddp_eval.mixin import DDPEvalMixin
+from ddp_eval.sharding import ShardedBatchSampler, shard_batches, shard_dataloader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DDPEvalMixin",
+    "Checkpointer",
+    "DDPEvalConfig",
+    "ShardedBatchSampler",
+    "shard_batches",
+    "shard_dataloader",
+    "merge_metric_stats",
+    "find_metric_objects",
+    "inspect_checkpoint_dir",
+    "DDPEvalError",
+    "ConfigError",
+    "RankFailedError",
+    "CollectiveTimeoutError",
+    "OutOfStepError",
+    "StateDivergenceError",
+    "CheckpointWriteError",
+    "StorageError",
+]

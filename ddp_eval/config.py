@@ -1,0 +1,107 @@
+"""The ``ddp_eval:`` section of a recipe's hparams YAML, validated at start-up.
+
+Example
+-------
+>>> cfg = DDPEvalConfig.from_hparams({"ddp_eval": {"shard_test": False}})
+>>> cfg.shard_valid, cfg.shard_test
+(True, False)
+>>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
+Traceback (most recent call last):
+...
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: check_consistency, collective_timeout, metrics_exclude, metrics_include, shard_test, shard_valid
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Any, List, Mapping, Optional
+
+from ddp_eval.errors import ConfigError
+
+SECTION = "ddp_eval"
+
+
+@dataclass(frozen=True)
+class DDPEvalConfig:
+    """Options of :class:`ddp_eval.DDPEvalMixin`.
+
+    Arguments
+    ---------
+    shard_valid : bool
+        Shard the validation set across ranks (default True).
+    shard_test : bool
+        Shard the test set across ranks (default True).
+    metrics_include : list of str, optional
+        Names of Brain attributes holding metric objects to merge; default:
+        every SpeechBrain metric object found on the Brain.
+    metrics_exclude : list of str
+        Brain attributes never merged (e.g. a metric you merge yourself).
+    check_consistency : bool
+        After every ``on_stage_end``, compare scheduler, epoch-counter and
+        learning-rate state across ranks and raise on divergence (default
+        False: costs one small exchange per stage).
+    collective_timeout : float
+        Seconds any ddp_eval wait may block before it raises, naming the
+        ranks that did not arrive (default 600).
+    """
+
+    shard_valid: bool = True
+    shard_test: bool = True
+    metrics_include: Optional[List[str]] = None
+    metrics_exclude: List[str] = field(default_factory=list)
+    check_consistency: bool = False
+    collective_timeout: float = 600.0
+
+    @classmethod
+    def from_hparams(cls, hparams: Optional[Mapping[str, Any]]) -> "DDPEvalConfig":
+        """Builds the config from ``hparams["ddp_eval"]`` (absent: defaults)."""
+        section = (hparams or {}).get(SECTION) or {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(
+                f"ddp_eval: the '{SECTION}:' hparams entry must be a mapping of "
+                f"options, got {type(section).__name__}: {section!r}"
+            )
+        allowed = sorted(f.name for f in fields(cls))
+        for key in section:
+            if key not in allowed:
+                raise ConfigError(
+                    f"ddp_eval: unknown option '{key}' in the '{SECTION}:' hparams "
+                    f"section; allowed options: {', '.join(allowed)}"
+                )
+        cfg = cls(**section)
+        cfg._validate()
+        return cfg
+
+    def _validate(self) -> None:
+        for name in ("shard_valid", "shard_test", "check_consistency"):
+            _expect(name, getattr(self, name), isinstance(getattr(self, name), bool), "true or false")
+        for name in ("metrics_include", "metrics_exclude"):
+            value = getattr(self, name)
+            ok = (value is None and name == "metrics_include") or (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)
+            )
+            _expect(name, value, ok, "a list of Brain attribute names")
+        timeout = self.collective_timeout
+        ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        _expect("collective_timeout", timeout, ok, "a number of seconds > 0")
+
+
+def _expect(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(
+            f"ddp_eval: option '{name}' expects {allowed}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> Any:
+    """Validates an option string against a fixed set.
+
+    Example
+    -------
+    >>> check_choice("storage", "shared", ("shared", "node_local"))
+    'shared'
+    """
+    if value not in choices:
+        raise ConfigError(
+            f"ddp_eval: option '{name}' expects one of {list(choices)}, got {value!r}"
+        )
+    return value

@@ -1,0 +1,36 @@
+"""Exceptions raised by ddp_eval.
+
+Every message says what was expected, what was found and what to do.
+"""
+
+
+class DDPEvalError(RuntimeError):
+    """Base class of every error ddp_eval raises."""
+
+
+class ConfigError(DDPEvalError, ValueError):
+    """An option in the ``ddp_eval:`` hparams section or a keyword is invalid."""
+
+
+class RankFailedError(DDPEvalError):
+    """Another rank raised an exception; raised on every rank that did not fail."""
+
+
+class CollectiveTimeoutError(DDPEvalError):
+    """Not every rank arrived at a synchronisation point within the timeout."""
+
+
+class OutOfStepError(DDPEvalError):
+    """Ranks reached different synchronisation points (they took different branches)."""
+
+
+class StateDivergenceError(DDPEvalError):
+    """Scheduler or epoch-counter state differs across ranks after ``on_stage_end``."""
+
+
+class CheckpointWriteError(DDPEvalError):
+    """Writing a checkpoint failed on the writing rank; the previous one is intact."""
+
+
+class StorageError(DDPEvalError):
+    """The checkpoint storage lacks atomic rename or fsync and fallback is off."""

@@ -1,0 +1,236 @@
+"""Merging SpeechBrain metric objects across ranks, exactly.
+
+A metric object's state is its list fields (ids, scores, predictions, ...,
+one entry per utterance) and its numeric fields (``AccuracyStats.correct``,
+``total``). During a sharded stage, the mixin snapshots list lengths and
+numbers after every batch; each rank then sends the entries it appended, cut
+per batch and tagged with the batch's global position. :func:`merge_metric_stats`
+(a pure function) puts the pieces back in global batch order, so the merged
+object holds exactly what one process would have appended, in the same order:
+``summarize()`` and ``write_stats()`` give single-process results bit for bit.
+
+Fields that did not grow during the stage (configuration lists, flags) are
+left as they are, and numbers are merged as the sum of per-rank increments.
+
+Example
+-------
+>>> rank0 = {"m": {"lists": {"ids": [(0, ["a"]), (2, ["c"])]}, "numbers": {}}}
+>>> rank1 = {"m": {"lists": {"ids": [(1, ["b"])]}, "numbers": {}}}
+>>> merge_metric_stats([rank0, rank1])["m"]["lists"]["ids"]
+['a', 'b', 'c']
+"""
+
+import math
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from speechbrain.utils.Accuracy import AccuracyStats
+from speechbrain.utils.metric_stats import (
+    MetricStats,
+    MultiMetricStats,
+    WeightedErrorRateStats,
+)
+
+from ddp_eval.errors import ConfigError
+
+METRIC_TYPES = (MetricStats, MultiMetricStats, AccuracyStats)
+
+Snapshot = Dict[str, Dict[str, Any]]  # path -> field -> list length or number
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def find_metric_objects(
+    owner: Any,
+    include: Optional[Sequence[str]] = None,
+    exclude: Sequence[str] = (),
+) -> Dict[str, Any]:
+    """Finds SpeechBrain metric objects held by ``owner`` (e.g. a Brain).
+
+    Looks at attributes and one level into dict, list and tuple attributes;
+    returns ``{path: object}`` sorted by path, each object once.
+
+    Example
+    -------
+    >>> class Holder:
+    ...     pass
+    >>> h = Holder()
+    >>> h.acc = AccuracyStats()
+    >>> h.several = {"a": AccuracyStats()}
+    >>> sorted(find_metric_objects(h))
+    ['acc', 'several[a]']
+    """
+    found: Dict[str, Any] = {}
+    seen = set()
+    for name in sorted(vars(owner)):
+        if name in exclude or (include is not None and name not in include):
+            continue
+        value = vars(owner)[name]
+        if isinstance(value, Mapping):
+            candidates = [(f"{name}[{k}]", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            candidates = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            candidates = [(name, value)]
+        for path, obj in candidates:
+            if isinstance(obj, METRIC_TYPES) and id(obj) not in seen:
+                seen.add(id(obj))
+                found[path] = obj
+    return dict(sorted(found.items()))
+
+
+def _flatten(path: str, obj: Any) -> Iterable[Tuple[str, Any]]:
+    # Metric objects that hold other metric objects.
+    yield path, obj
+    if isinstance(obj, MultiMetricStats):
+        for key, inner in obj.metrics.items():
+            yield from _flatten(f"{path}.metrics[{key}]", inner)
+    if isinstance(obj, WeightedErrorRateStats):
+        yield from _flatten(f"{path}.base_stats", obj.base_stats)
+
+
+def snapshot(objects: Mapping[str, Any]) -> Snapshot:
+    """Records list lengths and numeric fields of every (nested) metric object."""
+    snap: Snapshot = {}
+    for top, obj in objects.items():
+        for path, sub in _flatten(top, obj):
+            fields = {}
+            for name, value in vars(sub).items():
+                if isinstance(value, list):
+                    fields[name] = len(value)
+                elif _is_number(value):
+                    fields[name] = value
+            snap[path] = fields
+    return snap
+
+
+def _to_cpu(item: Any) -> Any:
+    return item.detach().cpu() if isinstance(item, torch.Tensor) else item
+
+
+def local_state(
+    objects: Mapping[str, Any],
+    snapshots: Sequence[Snapshot],
+    global_batch_ids: Sequence[int],
+) -> Dict[str, Dict[str, Any]]:
+    """What this rank appended during the stage, cut per batch.
+
+    Arguments
+    ---------
+    objects : mapping
+        ``{path: metric object}`` as found by :func:`find_metric_objects`.
+    snapshots : list
+        Snapshot at stage start, then one after each batch.
+    global_batch_ids : list of int
+        Global position of each evaluated batch (one per snapshot after the first).
+
+    Returns
+    -------
+    dict
+        ``{path: {"lists": {field: [(global_id, items), ...]}, "numbers": {field: delta}}}``
+    """
+    end = snapshot(objects)
+    state: Dict[str, Dict[str, Any]] = {}
+    for top, obj in objects.items():
+        for path, sub in _flatten(top, obj):
+            lists, numbers = {}, {}
+            for name, final in end[path].items():
+                value = vars(sub)[name]
+                if isinstance(value, list):
+                    bounds = [s.get(path, {}).get(name, 0) for s in snapshots] + [final]
+                    pieces = []
+                    for i in range(len(bounds) - 1):  # interval i = batch i; the last one: after all batches
+                        items = value[bounds[i] : bounds[i + 1]]
+                        if items:
+                            gid = global_batch_ids[i] if i < len(snapshots) - 1 else math.inf
+                            pieces.append((gid, [_to_cpu(x) for x in items]))
+                    lists[name] = pieces
+                else:
+                    numbers[name] = final - snapshots[0].get(path, {}).get(name, 0)
+            state[path] = {"lists": lists, "numbers": numbers}
+    return state
+
+
+def merge_metric_stats(rank_states: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Merges the per-rank states of :func:`local_state` (pure function).
+
+    List pieces are concatenated in global batch order (ties: rank order);
+    numeric increments are summed in rank order.
+
+    Example
+    -------
+    >>> r0 = {"acc": {"lists": {}, "numbers": {"correct": 3.0, "total": 4.0}}}
+    >>> r1 = {"acc": {"lists": {}, "numbers": {"correct": 1.0, "total": 4.0}}}
+    >>> merge_metric_stats([r0, r1])["acc"]["numbers"]
+    {'correct': 4.0, 'total': 8.0}
+    """
+    paths: List[str] = []
+    for state in rank_states:
+        paths.extend(p for p in state if p not in paths)
+    merged: Dict[str, Dict[str, Any]] = {}
+    for path in paths:
+        pieces: Dict[str, List[Tuple[float, int, list]]] = {}
+        numbers: Dict[str, Any] = {}
+        for rank, state in enumerate(rank_states):
+            entry = state.get(path, {"lists": {}, "numbers": {}})
+            for name, rank_pieces in entry["lists"].items():
+                pieces.setdefault(name, []).extend((gid, rank, items) for gid, items in rank_pieces)
+            for name, delta in entry["numbers"].items():
+                numbers[name] = numbers.get(name, 0) + delta
+        lists = {
+            name: [x for _, _, items in sorted(ps, key=lambda p: p[:2]) for x in items]
+            for name, ps in pieces.items()
+        }
+        merged[path] = {"lists": lists, "numbers": numbers}
+    return merged
+
+
+def apply_merged(
+    objects: Mapping[str, Any], start: Snapshot, merged: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Writes merged state into the local metric objects (prefix kept)."""
+    for top, obj in objects.items():
+        _create_missing_inner(top, obj, merged)
+        for path, sub in _flatten(top, obj):
+            if path not in merged:
+                continue
+            before = start.get(path, {})
+            for name, items in merged[path]["lists"].items():
+                setattr(sub, name, getattr(sub, name, [])[: before.get(name, 0)] + items)
+            for name, delta in merged[path]["numbers"].items():
+                setattr(sub, name, before.get(name, 0) + delta)
+            if isinstance(getattr(sub, "summary", None), dict):
+                sub.summary = {}
+
+
+def _create_missing_inner(top: str, obj: Any, merged: Mapping[str, Any]) -> None:
+    # A rank that evaluated no batch never had MultiMetricStats create its
+    # per-key MetricStats; create them as MultiMetricStats.append would.
+    if not isinstance(obj, MultiMetricStats):
+        return
+    prefix = f"{top}.metrics["
+    for path in merged:
+        if path.startswith(prefix) and "." not in path[len(prefix):]:
+            key = path[len(prefix) : -1]
+            if key not in {str(k) for k in obj.metrics}:
+                obj.metrics[key] = MetricStats(lambda x: x, batch_eval=True)
+
+
+def describe_objects(objects: Mapping[str, Any]) -> List[Tuple[str, str]]:
+    """``[(path, class name)]``, compared across ranks before merging."""
+    return [(path, type(obj).__name__) for path, obj in objects.items()]
+
+
+def check_same_objects(per_rank: Sequence[List[Tuple[str, str]]], stage: str) -> None:
+    """Raises :class:`ConfigError` if ranks hold different metric objects."""
+    if all(desc == per_rank[0] for desc in per_rank):
+        return
+    detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(per_rank))
+    raise ConfigError(
+        f"ddp_eval: at the end of {stage}, ranks hold different metric objects, so "
+        f"they cannot be merged; expected the same on every rank, got {detail}. "
+        "Create metric objects in on_stage_start (not lazily in "
+        "compute_objectives), or list them in ddp_eval: metrics_exclude."
+    )

@@ -1,0 +1,198 @@
+"""``DDPEvalMixin``: sharded, exact validation and test for SpeechBrain's Brain."""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.utils.data import IterableDataset
+
+import speechbrain as sb
+
+from ddp_eval import dist
+from ddp_eval.config import DDPEvalConfig
+from ddp_eval.consistency import check_states_agree, state_summaries
+from ddp_eval.errors import DDPEvalError
+from ddp_eval.metrics import (
+    apply_merged,
+    check_same_objects,
+    describe_objects,
+    find_metric_objects,
+    local_state,
+    merge_metric_stats,
+    snapshot,
+)
+from ddp_eval.sharding import is_sharded, shard_dataloader
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StageRun:
+    """Bookkeeping of one stage on this rank."""
+
+    stage: Any
+    sharded: bool
+    global_batch_ids: List[int] = field(default_factory=list)
+    snapshots: list = field(default_factory=list)
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+
+class DDPEvalMixin:
+    """Shards VALID and TEST across ranks and makes every rank see global results.
+
+    Use it before ``sb.Brain`` in the bases: ``class MyBrain(DDPEvalMixin,
+    sb.Brain)``. Under ``torchrun``:
+
+    * ``fit(valid_set=...)`` and ``evaluate(test_set)`` evaluate each batch on
+      exactly one rank (round-robin over the batches one process would build);
+    * before ``on_stage_end``, the stage loss is reduced with ``all_reduce``
+      (sums and counts) and every SpeechBrain metric object on the Brain is
+      merged, so ``on_stage_end`` runs on every rank with the single-process
+      loss and metrics (the TRAIN loss becomes the average over all ranks);
+    * an exception on one rank is raised on every rank, and every wait is
+      bounded by ``ddp_eval: collective_timeout``.
+
+    Without a process group (``python train.py hparams.yaml``) nothing changes.
+
+    Configuration: an optional ``ddp_eval:`` section in the hparams, see
+    :class:`ddp_eval.DDPEvalConfig`.
+
+    Example
+    -------
+    >>> import torch
+    >>> class SimpleBrain(DDPEvalMixin, sb.Brain):
+    ...     def compute_forward(self, batch, stage):
+    ...         return self.modules.model(batch[0])
+    ...     def compute_objectives(self, predictions, batch, stage):
+    ...         return torch.nn.functional.l1_loss(predictions, batch[0])
+    >>> brain = SimpleBrain({"model": torch.nn.Linear(10, 10)}, run_opts={"device": "cpu"})
+    >>> loss = brain.evaluate([(torch.ones(2, 10),)])
+    >>> isinstance(loss, float)
+    True
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        hparams = vars(self.hparams) if hasattr(self, "hparams") else None
+        self.ddp_eval_config = DDPEvalConfig.from_hparams(hparams)
+        dist.set_timeout(self.ddp_eval_config.collective_timeout)
+        self._ddp_loaders: Dict[Any, Any] = {}
+        self._ddp_run: Optional[_StageRun] = None
+        self._ddp_global_loss: Dict[Any, float] = {}
+        # Why instance wrappers: recipes override on_stage_start/on_stage_end
+        # without calling super(), so the sync is wrapped around the bound methods.
+        self.on_stage_start = self._ddp_wrap_stage_start(self.on_stage_start)
+        self.on_stage_end = self._ddp_wrap_stage_end(self.on_stage_end)
+
+    # -- Brain overrides ---------------------------------------------------
+
+    def make_dataloader(self, dataset, stage, ckpt_prefix="dataloader-", **loader_kwargs):
+        """Why: SpeechBrain shards only TRAIN; this also shards VALID and TEST."""
+        loader = super().make_dataloader(dataset, stage, ckpt_prefix, **loader_kwargs)
+        if self._ddp_should_shard(stage):
+            if isinstance(dataset, IterableDataset):
+                logger.warning(
+                    "ddp_eval: %s set is an IterableDataset and is not sharded; "
+                    "every rank evaluates all of it.", stage.name
+                )
+            else:
+                loader = shard_dataloader(loader)
+        self._ddp_loaders[stage] = loader
+        return loader
+
+    def fit(self, epoch_counter, train_set, valid_set=None, *args, **kwargs):
+        """Why: note whether VALID is sharded; turn a failure here into an error on all ranks."""
+        self._ddp_loaders[sb.Stage.VALID] = valid_set  # make_dataloader replaces a Dataset
+        with dist.fail_together("fit"):
+            return super().fit(epoch_counter, train_set, valid_set, *args, **kwargs)
+
+    def evaluate(self, test_set, *args, **kwargs):
+        """Why: note whether TEST is sharded, return the global loss, fail together."""
+        self._ddp_loaders[sb.Stage.TEST] = test_set
+        self._ddp_global_loss.pop(sb.Stage.TEST, None)
+        with dist.fail_together("evaluate"):
+            local_loss = super().evaluate(test_set, *args, **kwargs)
+        return self._ddp_global_loss.get(sb.Stage.TEST, local_loss)
+
+    def update_average(self, loss, avg_loss):
+        """Why: the one per-batch hook of every Brain loop; it records exact loss
+        sums and where each batch's metric entries end, for the merge."""
+        run = self._ddp_run
+        if run is not None and run.sharded:
+            if torch.isfinite(torch.as_tensor(loss)):
+                run.loss_sum += float(loss)
+                run.loss_count += 1
+            run.snapshots.append(snapshot(self._ddp_metric_objects()))
+        return super().update_average(loss, avg_loss)
+
+    # -- internals ---------------------------------------------------------
+
+    def _ddp_should_shard(self, stage) -> bool:
+        cfg = self.ddp_eval_config
+        wanted = {sb.Stage.VALID: cfg.shard_valid, sb.Stage.TEST: cfg.shard_test}
+        return wanted.get(stage, False) and dist.get_world_size() > 1
+
+    def _ddp_metric_objects(self):
+        cfg = self.ddp_eval_config
+        return find_metric_objects(self, cfg.metrics_include, cfg.metrics_exclude)
+
+    def _ddp_wrap_stage_start(self, user_on_stage_start):
+        def on_stage_start(stage, epoch=None):
+            user_on_stage_start(stage, epoch)
+            loader = self._ddp_loaders.get(stage)
+            run = _StageRun(stage, stage != sb.Stage.TRAIN and is_sharded(loader))
+            if run.sharded:
+                run.global_batch_ids = loader.batch_sampler.global_batch_ids()
+                run.snapshots.append(snapshot(self._ddp_metric_objects()))
+            self._ddp_run = run
+
+        on_stage_start.__doc__ = user_on_stage_start.__doc__
+        return on_stage_start
+
+    def _ddp_wrap_stage_end(self, user_on_stage_end):
+        def on_stage_end(stage, stage_loss, epoch=None):
+            stage_loss = self._ddp_sync_stage(stage, stage_loss)
+            error = None
+            try:
+                user_on_stage_end(stage, stage_loss, epoch)
+            except DDPEvalError:
+                raise  # already raised on every rank by an exchange inside
+            except BaseException as exc:  # noqa: B036 - re-raised by exchange
+                error = exc
+            check = self.ddp_eval_config.check_consistency
+            payload = state_summaries(self, self._ddp_recoverables()) if check else None
+            per_rank = dist.exchange(f"{stage.name} on_stage_end", payload, error=error)
+            if check:
+                check_states_agree(per_rank, stage.name)
+            self._ddp_run = None
+
+        on_stage_end.__doc__ = user_on_stage_end.__doc__
+        return on_stage_end
+
+    def _ddp_recoverables(self):
+        return getattr(self.checkpointer, "recoverables", {}) if self.checkpointer else {}
+
+    def _ddp_sync_stage(self, stage, stage_loss):
+        """Returns the global stage loss after merging metrics (collective)."""
+        run = self._ddp_run
+        if dist.get_world_size() == 1:
+            return stage_loss
+        if stage == sb.Stage.TRAIN:
+            dist.exchange("TRAIN stage end")
+            total, count = dist.all_reduce_sum([stage_loss * self.step, self.step])
+            return total / count if count else stage_loss
+        if run is None or not run.sharded:
+            return stage_loss  # every rank evaluated everything itself
+        objects = self._ddp_metric_objects()
+        per_rank = dist.exchange(f"{stage.name} stage end", describe_objects(objects))
+        check_same_objects(per_rank, stage.name)
+        total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
+        states = dist.all_gather_object(
+            local_state(objects, run.snapshots, run.global_batch_ids)
+        )
+        apply_merged(objects, run.snapshots[0], merge_metric_stats(states))
+        loss = total / count if count else 0.0
+        self._ddp_global_loss[stage] = loss
+        return loss

@@ -1,0 +1,135 @@
+"""Splitting evaluation batches across ranks, each sample evaluated once.
+
+Batches, not samples, are sharded: every rank builds the same batches as one
+process would (same batch size, same sorting, same ``DynamicBatchSampler``) and
+keeps every ``world_size``-th one. Batch contents, padding and per-batch losses
+are therefore exactly those of a single-process run, and round-robin keeps
+length-sorted data balanced across ranks.
+
+Example
+-------
+>>> shard_batches(7, rank=0, world_size=3)
+[0, 3, 6]
+>>> shard_batches(7, rank=2, world_size=3)
+[2, 5]
+>>> shard_batches(1, rank=1, world_size=2)
+[]
+"""
+
+from typing import Iterable, Iterator, List, Optional
+
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+
+from ddp_eval import dist
+from ddp_eval.errors import ConfigError
+
+
+def shard_batches(num_batches: int, rank: int, world_size: int) -> List[int]:
+    """Global indices of the batches that ``rank`` evaluates (round-robin)."""
+    return list(range(rank, num_batches, world_size))
+
+
+class ShardedBatchSampler(Sampler):
+    """Yields this rank's share of the batches of another batch sampler.
+
+    Arguments
+    ---------
+    batch_sampler : iterable of lists of indices
+        The batch sampler one process would use (e.g. ``BatchSampler`` or
+        SpeechBrain's ``DynamicBatchSampler``); it must yield the same batches
+        on every rank.
+    rank : int, optional
+        Defaults to the global rank.
+    world_size : int, optional
+        Defaults to the number of ranks.
+
+    Example
+    -------
+    >>> from torch.utils.data import BatchSampler, SequentialSampler
+    >>> batches = BatchSampler(SequentialSampler(range(5)), 2, drop_last=False)
+    >>> list(ShardedBatchSampler(batches, rank=1, world_size=2))
+    [[2, 3]]
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[List[int]],
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> None:
+        self.batch_sampler = batch_sampler
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for index, batch in enumerate(self.batch_sampler):
+            if index % self.world_size == self.rank:
+                yield batch
+
+    def __len__(self) -> int:
+        return len(shard_batches(len(self.batch_sampler), self.rank, self.world_size))
+
+    def global_batch_ids(self) -> List[int]:
+        """Global position of each batch this rank yields, in yield order."""
+        return shard_batches(len(self.batch_sampler), self.rank, self.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwards ``set_epoch`` (e.g. to a ``DynamicBatchSampler``)."""
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+
+def is_sharded(loader) -> bool:
+    """Whether ``loader`` is a DataLoader sharded by :func:`shard_dataloader`."""
+    return isinstance(getattr(loader, "batch_sampler", None), ShardedBatchSampler)
+
+
+def shard_dataloader(loader: DataLoader) -> DataLoader:
+    """Returns a copy of ``loader`` that yields only this rank's batches.
+
+    Use it to shard a ready DataLoader that you pass to ``fit(valid_set=...)``
+    or ``evaluate(...)`` yourself (those are left alone otherwise). A loader
+    that cannot be sharded consistently raises :class:`ConfigError`.
+
+    Example
+    -------
+    >>> loader = DataLoader(list(range(5)), batch_size=2)
+    >>> [b.tolist() for b in shard_dataloader(loader)]  # one process: unchanged
+    [[0, 1], [2, 3], [4]]
+    """
+    if is_sharded(loader):
+        return loader
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
+        raise ConfigError(
+            "ddp_eval: cannot shard a DataLoader without a batch sampler "
+            f"(dataset {type(loader.dataset).__name__}, batch_size="
+            f"{loader.batch_size}); expected a map-style dataset with "
+            "batch_size or batch_sampler. Shard an IterableDataset yourself and "
+            "set shard_valid/shard_test: false."
+        )
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(sampler, RandomSampler) and sampler.generator is None:
+        raise ConfigError(
+            "ddp_eval: evaluation DataLoader uses shuffle=True; each rank would "
+            "draw a different order, so samples would be evaluated twice or "
+            "never. Expected shuffle=False for VALID/TEST; remove it from the "
+            "loader options (evaluation results do not depend on order)."
+        )
+    extra = {}
+    if loader.num_workers > 0:
+        extra = dict(
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+        )
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=ShardedBatchSampler(loader.batch_sampler),
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        **extra,
+    )
