@@ -12,19 +12,22 @@ Example
 """
 
 import hashlib
+import importlib
+import inspect
 from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
-from speechbrain.nnet import schedulers as sb_schedulers
 from speechbrain.utils.epoch_loop import EpochCounter
 
 from ddp_eval.errors import StateDivergenceError
 
+# SpeechBrain imports its submodules lazily; load the real module to list its classes.
+sb_schedulers = importlib.import_module("speechbrain.nnet.schedulers")
+
 _SCHEDULER_TYPES = tuple(
     cls
-    for cls in vars(sb_schedulers).values()
-    if isinstance(cls, type) and cls.__module__ == sb_schedulers.__name__
-    and not issubclass(cls, torch.nn.Module)
+    for _, cls in inspect.getmembers(sb_schedulers, inspect.isclass)
+    if cls.__module__ == sb_schedulers.__name__ and not issubclass(cls, torch.nn.Module)
 ) + (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau, EpochCounter)
 
 

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+import torch.distributed as dist
+
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process_group_or_env():
+    """Fails a test that leaves a process group or torchrun variables behind."""
+    before = {k: os.environ.get(k) for k in _RANK_VARS}
+    yield
+    leaked = dist.is_available() and dist.is_initialized()
+    if leaked:
+        dist.destroy_process_group()
+    after = {k: os.environ.get(k) for k in _RANK_VARS}
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    assert not leaked, "test left a process group initialised"
+    assert before == after, f"test leaked environment variables: {before} -> {after}"

@@ -1,0 +1,100 @@
+"""DDPEvalMixin on real gloo process groups, compared with one process."""
+
+import math
+import os
+
+import pytest
+import speechbrain as sb
+
+from tests import toy
+from tests.mp_harness import run_ranks, results
+from tests.workers import (
+    batchnorm_eval,
+    diverging_scheduler,
+    fail_in_on_stage_end,
+    recipe,
+    slow_rank,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """Plain SpeechBrain (no mixin, SpeechBrain's Checkpointer) in one process."""
+    brain = toy.build(toy.ToyBrain, tmp_path_factory.mktemp("plain"),
+                      checkpointer_cls=sb.utils.checkpoints.Checkpointer)
+    return toy.run_recipe(brain)
+
+
+def _assert_same_metrics(dist_record, single_record):
+    assert dist_record["stage"] == single_record["stage"]
+    assert dist_record["epoch"] == single_record["epoch"]
+    assert math.isclose(dist_record["loss"], single_record["loss"], rel_tol=1e-6)
+    if "metrics" in single_record:
+        # summaries, write_stats text and utterance order: bit for bit
+        assert repr(dist_record["metrics"]) == repr(single_record["metrics"])
+    if "scheduler" in single_record:
+        assert dist_record["scheduler"][0] == single_record["scheduler"][0]
+        assert dist_record["scheduler"][1] == pytest.approx(single_record["scheduler"][1], rel=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_distributed_equals_single_process(world_size, single_process, tmp_path):
+    """Valid (23 samples, batch 3), test (DynamicBatchSampler) and a 2-sample set
+    (ranks with nothing at world size 3 and 4) give single-process numbers."""
+    per_rank = results(run_ranks(recipe, world_size, str(tmp_path), timeout=150))
+    single = single_process
+    eval_records = [r for r in single["log"] if r["stage"] != "TRAIN"]
+    for rank, out in enumerate(per_rank):
+        dist_eval = [r for r in out["log"] if r["stage"] != "TRAIN"]
+        assert len(dist_eval) == len(eval_records)
+        for d, s in zip(dist_eval, eval_records):
+            _assert_same_metrics(d, s)
+        assert math.isclose(out["test_loss"], single["test_loss"], rel_tol=1e-6)
+        assert math.isclose(out["tiny_loss"], single["tiny_loss"], rel_tol=1e-6)
+        # on_stage_end ran on every rank for TRAIN, VALID and TEST
+        assert [r["stage"] for r in out["log"]] == [r["stage"] for r in single["log"]]
+        # identical arguments on every rank, bit for bit (TRAIN loss included)
+        assert repr(out["log"]) == repr(per_rank[0]["log"])
+        # checkpoints were written by rank 0 only, and loaded on every rank
+        assert out["probe_loaded"] == "0"
+    # each sample evaluated exactly once in the whole job
+    seen = [i for out in per_rank for i in out["seen_ids"]]
+    assert sorted(seen) == sorted(single["seen_ids"])
+    assert len(seen) == len(set(seen)) * 1 or len(seen) == len(single["seen_ids"])
+    assert len(seen) == len(single["seen_ids"])
+    if world_size > 1:
+        assert all(out["seen_ids"] != single["seen_ids"] for out in per_rank)
+
+
+def test_failure_on_one_rank_raises_on_all(tmp_path):
+    outcomes = run_ranks(fail_in_on_stage_end, 3, str(tmp_path), 1, timeout=60)
+    assert outcomes[1]["error"] == "ValueError" and "boom on purpose" in outcomes[1]["message"]
+    for rank in (0, 2):
+        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
+        assert "rank 1 failed" in outcomes[rank]["message"]
+        assert "ValueError: boom on purpose" in outcomes[rank]["message"]
+
+
+def test_collective_timeout_names_missing_rank(tmp_path):
+    outcomes = run_ranks(slow_rank, 3, str(tmp_path), 2, timeout=60)
+    for rank in (0, 1):
+        assert outcomes[rank]["error"] == "CollectiveTimeoutError", outcomes[rank]
+        assert "ranks that did not arrive: [2]" in outcomes[rank]["message"]
+        assert "VALID" in outcomes[rank]["message"]
+
+
+def test_consistency_check_names_diverging_object_and_rank(tmp_path):
+    outcomes = run_ranks(diverging_scheduler, 2, str(tmp_path), timeout=60)
+    for outcome in outcomes:
+        assert outcome["error"] == "StateDivergenceError", outcome
+        assert "'scheduler'" in outcome["message"] and "rank 1" in outcome["message"]
+
+
+def test_ddp_wrapped_batchnorm_uneven_shards_do_not_hang(tmp_path):
+    per_rank = results(run_ranks(batchnorm_eval, 3, str(tmp_path), timeout=60))
+    assert all(out["wrapped"] == "DistributedDataParallel" for out in per_rank)
+    seen = sorted(i for out in per_rank for i in out["seen"])
+    assert seen == sorted(toy.make_dataset(7, 1).data_ids)
+    assert repr(per_rank[0]["log"]) == repr(per_rank[2]["log"])

@@ -1,0 +1,87 @@
+"""Single-process tests: config validation, sharding, the pure merge, no-op without a group."""
+
+import random
+import tempfile
+
+import pytest
+import speechbrain as sb
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+import ddp_eval
+from ddp_eval.metrics import local_state, merge_metric_stats, snapshot
+from ddp_eval.sharding import ShardedBatchSampler, shard_batches
+from tests import toy
+
+
+@pytest.mark.parametrize("n,world", [(0, 3), (1, 4), (2, 3), (7, 2), (23, 4), (29, 3)])
+def test_shards_cover_every_batch_once(n, world):
+    shards = [shard_batches(n, r, world) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_sharded_sampler_yields_the_single_process_batches():
+    batches = BatchSampler(SequentialSampler(range(11)), 3, drop_last=False)
+    shards = [list(ShardedBatchSampler(batches, r, 3)) for r in range(3)]
+    merged = [shards[g % 3][g // 3] for g in range(len(batches))]
+    assert merged == list(batches)
+    assert [len(ShardedBatchSampler(batches, r, 3)) for r in range(3)] == [2, 1, 1]
+
+
+def test_shuffled_eval_loader_is_refused():
+    with pytest.raises(ddp_eval.ConfigError, match="shuffle=True"):
+        ddp_eval.shard_dataloader(DataLoader(list(range(4)), batch_size=2, shuffle=True))
+
+
+@pytest.mark.parametrize("section,match", [
+    ({"shard_tset": True}, "unknown option 'shard_tset'"),
+    ({"shard_valid": "yes"}, "'shard_valid' expects true or false"),
+    ({"collective_timeout": 0}, "'collective_timeout' expects a number"),
+    ({"metrics_exclude": "wer"}, "'metrics_exclude' expects a list"),
+    ([1, 2], "must be a mapping"),
+])
+def test_bad_config_fails_at_start_with_the_key(section, match, tmp_path):
+    with pytest.raises(ddp_eval.ConfigError, match=match):
+        toy.build(toy.DDPToyBrain, tmp_path, ddp_eval_opts=section)
+
+
+def test_bad_checkpointer_option_names_allowed_values(tmp_path):
+    with pytest.raises(ddp_eval.ConfigError, match=r"expects one of \['shared', 'node_local'\]"):
+        ddp_eval.Checkpointer(tmp_path, storage="nfs")
+
+
+def test_merge_restores_single_process_order_for_any_split():
+    """Random per-batch appends split round-robin over ranks merge back exactly."""
+    rng = random.Random(0)
+    for world in (1, 2, 3, 4):
+        single = sb.utils.metric_stats.ErrorRateStats()
+        ranks = [sb.utils.metric_stats.ErrorRateStats() for _ in range(world)]
+        starts = [snapshot({"m": m}) for m in ranks]
+        snaps = [[s] for s in starts]
+        n_batches = rng.randint(0, 9)
+        for g in range(n_batches):
+            ids = [f"u{g}-{i}" for i in range(rng.randint(1, 3))]
+            hyp = [[rng.choice("ab")] for _ in ids]
+            ref = [[rng.choice("ab"), "c"] for _ in ids]
+            single.append(ids, hyp, ref)
+            ranks[g % world].append(ids, hyp, ref)
+            snaps[g % world].append(snapshot({"m": ranks[g % world]}))
+        states = [local_state({"m": m}, snaps[r], shard_batches(n_batches, r, world))
+                  for r, m in enumerate(ranks)]
+        merged = merge_metric_stats(states)
+        target = sb.utils.metric_stats.ErrorRateStats()
+        ddp_eval.metrics.apply_merged({"m": target}, starts[0], merged)
+        assert target.ids == single.ids
+        assert target.scores == single.scores
+        if n_batches:
+            assert target.summarize() == single.summarize()
+
+
+def test_without_process_group_mixin_changes_nothing(tmp_path):
+    plain = toy.run_recipe(toy.build(toy.ToyBrain, tmp_path / "a",
+                                     checkpointer_cls=sb.utils.checkpoints.Checkpointer))
+    mixed = toy.run_recipe(toy.build(toy.DDPToyBrain, tmp_path / "b"))
+    assert repr(plain["log"]) == repr(mixed["log"])
+    assert plain["test_loss"] == mixed["test_loss"]
+    assert plain["tiny_loss"] == mixed["tiny_loss"]

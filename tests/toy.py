@@ -1,0 +1,189 @@
+"""A tiny SpeechBrain recipe used by the tests: data, model, Brain, metrics.
+
+Everything is deterministic, so one process and N processes can be compared.
+"""
+
+import io
+import os
+
+import torch
+import speechbrain as sb
+from speechbrain.dataio.dataset import DynamicItemDataset
+from speechbrain.dataio.sampler import DynamicBatchSampler
+from speechbrain.utils.Accuracy import AccuracyStats
+from speechbrain.utils.checkpoints import mark_as_loader, mark_as_saver, register_checkpoint_hooks
+from speechbrain.utils.metric_stats import (
+    BinaryMetricStats,
+    ClassificationStats,
+    ErrorRateStats,
+    MetricStats,
+    MultiMetricStats,
+)
+
+import ddp_eval
+
+FEATS = 4
+CLASSES = 3
+
+
+def make_dataset(n, seed=0, prefix="utt"):
+    """n utterances of random length (3..12 frames), sorted by length like SpeechBrain data prep."""
+    g = torch.Generator().manual_seed(seed)
+    data = {}
+    for i in range(n):
+        length = int(torch.randint(3, 13, (1,), generator=g))
+        data[f"{prefix}{i:03d}"] = {
+            "feats": torch.randn(length, FEATS, generator=g).tolist(),
+            "target": int(torch.randint(0, CLASSES, (1,), generator=g)),
+            "length": length,
+        }
+    data = dict(sorted(data.items(), key=lambda kv: kv[1]["length"]))
+    ds = DynamicItemDataset(data)
+
+    @sb.utils.data_pipeline.takes("feats", "target")
+    @sb.utils.data_pipeline.provides("x", "label")
+    def pipeline(x, label):
+        yield torch.tensor(x)
+        yield torch.tensor([label])
+
+    ds.add_dynamic_item(pipeline)
+    ds.set_output_keys(["id", "x", "label"])
+    return ds
+
+
+def dynamic_batches(ds):
+    lengths = [ds.data[i]["length"] for i in ds.data_ids]
+    return DynamicBatchSampler(ds, max_batch_length=20, num_buckets=3, length_func=lambda d: d["length"],
+                               shuffle=False, batch_ordering="ascending", lengths_list=lengths)
+
+
+def make_model(batchnorm=False, seed=1):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(FEATS, 8)]
+    if batchnorm:
+        layers.append(torch.nn.BatchNorm1d(8))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(8, CLASSES)]
+    return torch.nn.Sequential(*layers)
+
+
+def _multi(a, b):
+    return {"diff": (a - b).abs(), "prod": a * b}
+
+
+def _summaries(brain):
+    """Summaries and write_stats text of every metric, for exact comparison."""
+    out = {}
+    for name in ("err", "wer", "cls", "binary", "acc", "multi"):
+        metric = getattr(brain, name)
+        if name == "acc":
+            out[name] = (metric.summarize(), metric.correct, metric.total)
+            continue
+        if name == "binary":
+            summary = metric.summarize(threshold=0.5)
+        else:
+            summary = metric.summarize()
+        text = io.StringIO()
+        if name in ("err", "wer", "cls"):
+            metric.write_stats(text)
+        out[name] = (summary, text.getvalue(), list(metric.ids))
+    return out
+
+
+@register_checkpoint_hooks
+class WriterProbe:
+    """A recoverable whose checkpoint file records which rank wrote it."""
+
+    def __init__(self):
+        self.loaded = None
+
+    @mark_as_saver
+    def save(self, path):
+        with open(path, "w") as f:
+            f.write(os.environ.get("RANK", "single"))
+
+    @mark_as_loader
+    def load(self, path, end_of_epoch):
+        with open(path) as f:
+            self.loaded = f.read()
+
+
+class ToyBrain(sb.Brain):
+    """Plain SpeechBrain recipe: metrics created in on_stage_start, scheduler and checkpoint in on_stage_end."""
+
+    def compute_forward(self, batch, stage):
+        x, lens = batch.x
+        mask = (torch.arange(x.shape[1])[None, :] < (lens * x.shape[1]).round()[:, None]).float()
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return self.modules.model(pooled)
+
+    def compute_objectives(self, logits, batch, stage):
+        labels = batch.label.data[:, 0]
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if stage != sb.Stage.TRAIN:
+            self.seen_ids.extend(batch.id)
+            logp = logits.log_softmax(-1)
+            preds = logp.argmax(-1)
+            self.err.append(batch.id, logp, labels)
+            self.wer.append(batch.id, [[str(int(p)), "a"] for p in preds],
+                            [[str(int(t)), "a", "b"][: 2 + int(t) % 2] for t in labels])
+            self.cls.append(batch.id, [f"d{int(p)}" for p in preds], [f"d{int(t)}" for t in labels])
+            self.binary.append(batch.id, logp[:, 1].exp(), (labels == 1).long())
+            self.acc.append(logp.unsqueeze(1), labels.unsqueeze(1), torch.ones(len(labels)))
+            self.multi.append(batch.id, a=logp[:, 0], b=logp[:, 2])
+        return loss
+
+    def on_stage_start(self, stage, epoch=None):
+        if stage != sb.Stage.TRAIN:
+            self.err = MetricStats(metric=lambda logp, y: -logp.gather(1, y[:, None])[:, 0])
+            self.wer = ErrorRateStats()
+            self.cls = ClassificationStats()
+            self.binary = BinaryMetricStats()
+            self.acc = AccuracyStats()
+            self.multi = MultiMetricStats(metric=_multi, batch_eval=True)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        record = {"stage": stage.name, "loss": stage_loss, "epoch": epoch}
+        if stage != sb.Stage.TRAIN:
+            record["metrics"] = _summaries(self)
+        if stage == sb.Stage.VALID:
+            self.hparams.scheduler(stage_loss)
+            record["scheduler"] = (self.hparams.scheduler.hyperparam_value,
+                                   list(self.hparams.scheduler.metric_values))
+            self.checkpointer.save_and_keep_only(meta={"loss": stage_loss}, min_keys=["loss"])
+        self.log.append(record)
+
+
+class DDPToyBrain(ddp_eval.DDPEvalMixin, ToyBrain):
+    """The same recipe converted: inherits the mixin."""
+
+
+def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, ddp_eval_opts=None,
+          batchnorm=False, epochs=2):
+    model = make_model(batchnorm)
+    counter = sb.utils.epoch_loop.EpochCounter(epochs)
+    scheduler = sb.nnet.schedulers.NewBobScheduler(initial_value=1.0, improvement_threshold=10.0)
+    probe = WriterProbe()
+    checkpointer = checkpointer_cls(ckpt_dir, recoverables={
+        "model": model, "counter": counter, "scheduler": scheduler, "probe": probe})
+    hparams = {"scheduler": scheduler, "counter": counter, "probe": probe}
+    if ddp_eval_opts is not None:
+        hparams["ddp_eval"] = ddp_eval_opts
+    brain = brain_cls(modules={"model": model}, opt_class=lambda p: torch.optim.SGD(p, lr=lr),
+                      hparams=hparams, run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo"},
+                      checkpointer=checkpointer)
+    brain.log = []
+    brain.seen_ids = []
+    return brain
+
+
+def run_recipe(brain, n_train=10, n_valid=23, n_test=23, n_tiny=2):
+    """fit (VALID with batch_size 3), evaluate with DynamicBatchSampler, then a tiny test set."""
+    train, valid, test, tiny = (make_dataset(n_train, 0), make_dataset(n_valid, 1),
+                                make_dataset(n_test, 2, "tst"), make_dataset(n_tiny, 3, "tiny"))
+    brain.fit(brain.hparams.counter, train, valid,
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    test_loss = brain.evaluate(test, min_key="loss",
+                               test_loader_kwargs={"batch_sampler": dynamic_batches(test)})
+    tiny_loss = brain.evaluate(tiny, min_key="loss", test_loader_kwargs={"batch_size": 1})
+    return {"log": brain.log, "test_loss": test_loss, "tiny_loss": tiny_loss,
+            "seen_ids": brain.seen_ids, "probe_loaded": brain.hparams.probe.loaded}
