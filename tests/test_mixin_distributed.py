@@ -62,7 +62,7 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
     # each sample evaluated exactly once in the whole job
     seen = [i for out in per_rank for i in out["seen_ids"]]
     assert sorted(seen) == sorted(single["seen_ids"])
-    assert len(seen) == len(set(seen)) * 1 or len(seen) == len(single["seen_ids"])
+    assert len(seen) == len(set(seen))
     assert len(seen) == len(single["seen_ids"])
     if world_size > 1:
         assert all(out["seen_ids"] != single["seen_ids"] for out in per_rank)

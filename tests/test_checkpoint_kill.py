@@ -1,0 +1,57 @@
+"""Kill tests: SIGKILL the writer at every step of a save, then resume."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+import ddp_eval
+from ddp_eval.checkpoint import TMP_PREFIX, inspect_checkpoint_dir
+from tests import kill_points
+
+pytestmark = pytest.mark.timeout(300)
+
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(["tests.kill_points"])
+
+
+def _run_child(directory, kill_at, log_path):
+    proc = _ctx.Process(target=kill_points.run, args=(str(directory), kill_at, str(log_path)))
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail(f"save sequence hung at kill point {kill_at}")
+    return proc.exitcode
+
+
+def _committed(log_path):
+    return [int(v) for v in log_path.read_text().split()] if log_path.exists() else []
+
+
+def test_sigkill_at_every_point_of_a_save_leaves_newest_complete_checkpoint(tmp_path):
+    assert _run_child(tmp_path / "dry", None, tmp_path / "dry.log") == 0
+    names = (tmp_path / "dry.log.points").read_text().splitlines()
+    assert len(names) >= 20, names  # the armed part of the sequence has this many points
+    for k in range(1, len(names) + 1):
+        directory, log_path = tmp_path / f"k{k}", tmp_path / f"k{k}.log"
+        exitcode = _run_child(directory, k, log_path)
+        assert exitcode == -9, f"kill point {k} ({names[k - 1]}) not reached: exit {exitcode}"
+        committed = _committed(log_path)
+        # Atomicity: every visible checkpoint directory is complete, whatever the instant.
+        visible = [d for d in directory.iterdir() if d.name.startswith("CKPT")]
+        for d in visible:
+            problem, _ = inspect_checkpoint_dir(d)
+            assert problem is None, f"kill at {names[k - 1]}: partial {d.name}: {problem}"
+        ckpter, model, blob = kill_points.make_checkpointer(directory, version=-1)
+        found = ckpter.recover_if_possible()
+        assert found is not None, f"kill at {names[k - 1]}: nothing to resume from"
+        version = found.meta["version"]
+        # newest complete: the last logged save, or the one whose commit preceded the kill
+        assert version in (committed[-1], committed[-1] + 1), (names[k - 1], committed, version)
+        assert torch.equal(model.weight, torch.full_like(model.weight, float(version)))
+        assert torch.equal(model.bias, torch.full_like(model.bias, -float(version)))
+        assert blob.version == version
+        assert not [d for d in directory.iterdir() if d.name.startswith(TMP_PREFIX)], \
+            "stale temporary directories survive start-up"
