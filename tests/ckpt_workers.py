@@ -1,0 +1,110 @@
+"""Checkpointer scenarios run on every rank of a real process group."""
+
+import errno
+import os
+import pathlib
+import signal
+import time
+
+import torch
+from speechbrain.core import INTRA_EPOCH_CKPT_FLAG
+
+import ddp_eval
+import ddp_eval.checkpoint as ckpt_module
+from tests import kill_points, toy
+
+
+def _timed(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    finally:
+        pathlib.Path(os.environ["TIMING_DIR"], f"elapsed-{os.environ['RANK']}").write_text(
+            str(time.monotonic() - start))
+
+
+def enospc_on_second_save(rank, world_size, directory):
+    """A save hook raises OSError(ENOSPC) on the writer during the second save."""
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=1)
+    ckpter.timeout = 20
+    ckpter.save_checkpoint(meta={"version": 1})
+
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    ckpter.custom_save_hooks["blob"] = full_disk
+    _timed(lambda: ckpter.save_checkpoint(meta={"version": 2}, name="second"))
+
+
+def save_into_read_only_dir(rank, world_size, directory):
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=2)
+    ckpter.timeout = 20
+    _timed(lambda: ckpter.save_checkpoint(meta={"version": 2}))
+
+
+def storage_without_rename(rank, world_size, directory, action):
+    def no_rename(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted (simulated FUSE mount)", str(src))
+
+    ckpt_module._rename_dir = no_rename
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=5)
+    ckpter.on_unsupported_storage = action
+    ckpter.timeout = 20
+    ckpter.save_checkpoint(meta={"version": 5})
+    ckpter.save_checkpoint(meta={"version": 6}, name="same")
+    ckpter.save_checkpoint(meta={"version": 7}, name="same")  # re-save in place
+    found = ckpter.find_checkpoint()
+    return found.meta["version"], sorted(p.name for p in pathlib.Path(directory).iterdir())
+
+
+def writer_killed_mid_save(rank, world_size, directory):
+    """Rank 0 dies with SIGKILL inside a parameter file of the second save."""
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=1)
+    ckpter.timeout = 3
+    ckpter.save_checkpoint(meta={"version": 1})
+    if rank == 0:
+        kill_points._state.update(count=0, kill_at=1)
+    blob.version = 2
+    _timed(lambda: ckpter.save_checkpoint(meta={"version": 2}))
+
+
+def resume(rank, world_size, directory):
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=-1)
+    found = ckpter.recover_if_possible()
+    return found.meta["version"], float(model.weight[0, 0]), blob.version
+
+
+def stress(rank, world_size, directory, rounds, checkpointer_cls=ddp_eval.Checkpointer):
+    """Intra-epoch and end-of-epoch save_and_keep_only interleaved, as Brain does them."""
+    model = torch.nn.Linear(4, 4)
+    ckpter = checkpointer_cls(directory, recoverables={"model": model})
+    for i in range(rounds):
+        if i % 5 == 4:  # end of epoch, keep best loss and most recent
+            ckpter.save_and_keep_only(meta={"loss": float((i * 7) % 11), "round": i},
+                                      min_keys=["loss"], importance_keys=[])
+        else:  # intra-epoch, as Brain._save_intra_epoch_ckpt
+            # a fresh importance_keys list: SpeechBrain's default grows on every call
+            ckpter.save_and_keep_only(end_of_epoch=False, num_to_keep=1, importance_keys=[],
+                                      ckpt_predicate=lambda c: INTRA_EPOCH_CKPT_FLAG in c.meta,
+                                      meta={INTRA_EPOCH_CKPT_FLAG: True, "round": i})
+    return sorted(c.meta["round"] for c in ckpter.list_checkpoints())
+
+
+def _weights(brain):
+    model = brain.modules.model
+    return {k: v.clone() for k, v in getattr(model, "module", model).state_dict().items()}
+
+
+class ElasticBrain(toy.DDPToyBrain):
+    def on_fit_start(self):
+        super().on_fit_start()
+        self.started_from = _weights(self)
+
+
+def elastic_fit(rank, world_size, directory, epochs):
+    """Trains the toy recipe to `epochs`, resuming whatever checkpoint is there."""
+    brain = toy.build(ElasticBrain, directory, lr=0.1, epochs=epochs)
+    brain.fit(brain.hparams.counter, toy.make_dataset(12, 0), toy.make_dataset(7, 1),
+              train_loader_kwargs={"batch_size": 2}, valid_loader_kwargs={"batch_size": 2})
+    return {"epochs_run": [r["epoch"] for r in brain.log if r["stage"] == "TRAIN"],
+            "weights": _weights(brain), "started_from": brain.started_from}
