@@ -30,7 +30,7 @@ import pathlib
 import shutil
 import time
 import uuid
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import yaml
 from speechbrain.utils import checkpoints as sb_ckpt
@@ -93,11 +93,14 @@ def _file_digest(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def inspect_checkpoint_dir(path: pathlib.Path, verify_checksums: bool = True) -> Tuple[Optional[str], dict]:
+def inspect_checkpoint_dir(
+    path: pathlib.Path, verify_checksums: bool = True, required: Iterable[str] = ()
+) -> Tuple[Optional[str], dict]:
     """Returns ``(problem, meta)``; ``problem`` is None for a complete checkpoint.
 
-    A checkpoint without a ddp_eval manifest (written by SpeechBrain) is
-    accepted when its meta file is valid.
+    A checkpoint with a ddp_eval manifest must hold every listed file at its
+    recorded size. One without (written by SpeechBrain) must have a valid meta
+    file and a non-empty ``<name>.ckpt`` for each name in ``required``.
     """
     try:
         with open(path / sb_ckpt.METAFNAME, encoding="utf-8") as f:
@@ -106,6 +109,11 @@ def inspect_checkpoint_dir(path: pathlib.Path, verify_checksums: bool = True) ->
         return f"meta file unreadable ({type(exc).__name__}: {exc})", {}
     if not isinstance(meta, dict) or "unixtime" not in meta or "end-of-epoch" not in meta:
         return "meta file incomplete (no unixtime / end-of-epoch)", {}
+    if MANIFEST_KEY not in meta:
+        for name in required:
+            file = path / f"{name}{sb_ckpt.PARAMFILE_EXT}"
+            if not file.is_file() or file.stat().st_size == 0:
+                return f"parameter file {file.name} is missing or empty", meta
     for name, info in (meta.get(MANIFEST_KEY) or {}).items():
         file = path / name
         if not file.is_file():
@@ -385,7 +393,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
         """Lists complete checkpoints only; skipped ones are named in a warning."""
         found = []
         for ckpt_dir in self._list_checkpoint_dirs():
-            problem, meta = inspect_checkpoint_dir(ckpt_dir, verify_checksums=self.checksums)
+            problem, meta = inspect_checkpoint_dir(ckpt_dir, self.checksums, self._required())
             if problem:
                 if ckpt_dir not in self._warned:
                     self._warned.add(ckpt_dir)
@@ -396,6 +404,12 @@ class Checkpointer(sb_ckpt.Checkpointer):
             }
             found.append(sb_ckpt.Checkpoint(ckpt_dir, meta, paramfiles))
         return found
+
+    def _required(self):
+        """Recoverables a checkpoint must hold to be loadable."""
+        if self.allow_partial_load:
+            return []
+        return [n for n in self.recoverables if not self.optional_recoverables.get(n) and "dataloader" not in n]
 
     def find_checkpoint(self, importance_key=None, max_key=None, min_key=None, ckpt_predicate=None):
         """Why: rank 0 chooses and broadcasts, so every rank loads the same checkpoint."""
@@ -410,7 +424,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
         if name is None:
             return None
         path, error, ckpt = self.checkpoints_dir / name, None, None
-        problem, meta = inspect_checkpoint_dir(path, verify_checksums=self.checksums)
+        problem, meta = inspect_checkpoint_dir(path, self.checksums, self._required())
         if problem:
             error = CheckpointWriteError(
                 f"ddp_eval: rank {dist.get_rank()} has no complete copy of the chosen "

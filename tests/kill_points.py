@@ -84,8 +84,13 @@ def make_checkpointer(directory, version=0):
     return ddp_eval.Checkpointer(directory, recoverables={"model": model, "blob": blob}), model, blob
 
 
-def run(directory, kill_at=None, log_path=None):
-    """Saves v1 (unarmed), then armed: keep-only v2, named 'last' v3 then v4 (a re-save)."""
+def run(directory, kill_at=None, log_path=None, renameat2=True):
+    """Saves v1 (unarmed), then armed: keep-only v2, named 'last' v3 then v4 (a re-save).
+
+    With ``renameat2=False`` the re-save uses the two-rename fallback.
+    """
+    if not renameat2:
+        ckpt_module._exchange_dirs = lambda a, b: False
     ckpter, model, blob = make_checkpointer(directory)
 
     def save(version, **kwargs):

@@ -16,8 +16,9 @@ _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(["tests.kill_points"])
 
 
-def _run_child(directory, kill_at, log_path):
-    proc = _ctx.Process(target=kill_points.run, args=(str(directory), kill_at, str(log_path)))
+def _run_child(directory, kill_at, log_path, renameat2):
+    proc = _ctx.Process(target=kill_points.run,
+                        args=(str(directory), kill_at, str(log_path), renameat2))
     proc.start()
     proc.join(60)
     if proc.is_alive():
@@ -30,13 +31,14 @@ def _committed(log_path):
     return [int(v) for v in log_path.read_text().split()] if log_path.exists() else []
 
 
-def test_sigkill_at_every_point_of_a_save_leaves_newest_complete_checkpoint(tmp_path):
-    assert _run_child(tmp_path / "dry", None, tmp_path / "dry.log") == 0
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "two-renames"])
+def test_sigkill_at_every_point_of_a_save_leaves_newest_complete_checkpoint(renameat2, tmp_path):
+    assert _run_child(tmp_path / "dry", None, tmp_path / "dry.log", renameat2) == 0
     names = (tmp_path / "dry.log.points").read_text().splitlines()
     assert len(names) >= 20, names  # the armed part of the sequence has this many points
     for k in range(1, len(names) + 1):
         directory, log_path = tmp_path / f"k{k}", tmp_path / f"k{k}.log"
-        exitcode = _run_child(directory, k, log_path)
+        exitcode = _run_child(directory, k, log_path, renameat2)
         assert exitcode == -9, f"kill point {k} ({names[k - 1]}) not reached: exit {exitcode}"
         committed = _committed(log_path)
         # Atomicity: every visible checkpoint directory is complete, whatever the instant.
