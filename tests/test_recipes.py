@@ -1,0 +1,88 @@
+"""Recipes end to end under torchrun: train with 2 processes, then evaluate the
+same checkpoint with 1 and with 2 processes and compare the reports."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FSDD = os.path.normpath(os.path.join(ROOT, os.pardir, "shared", "data", "fsdd", "recordings"))
+needs_fsdd = pytest.mark.skipif(
+    not os.path.isdir(FSDD), reason=f"FSDD recordings not found at {FSDD} (see README: Data)")
+
+
+def _run(script, hparams, output, *args, nproc=2, timeout=300):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
+    cmd = launcher + [os.path.join(ROOT, script), os.path.join(ROOT, hparams),
+                      f"--output_folder={output}", "--device=cpu", "--noprogressbar"]
+    if nproc:
+        cmd.append("--distributed_backend=gloo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd + list(args), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _lines(path):
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def _train_then_compare_evaluations(tmp_path, script, hparams, reports, *args):
+    trained = tmp_path / "trained"
+    _run(script, hparams, trained, "--number_of_epochs=1", *args)
+    _run(script, hparams, trained, "--number_of_epochs=2", *args)  # resumes at epoch 2
+    log = _lines(trained / "train_log.txt")
+    # written once, by one rank; the resumed run appended epoch 2 only
+    assert [line.split(",")[0] for line in log if line.startswith("epoch")] == ["epoch: 1", "epoch: 2"]
+    assert sum(line.startswith("Epoch loaded") for line in log) == 2
+    ckpts = [d for d in os.listdir(trained / "save") if d.startswith("CKPT")]
+    assert 1 <= len(ckpts) <= 2 and not [d for d in os.listdir(trained / "save") if d.startswith(".")]
+    evaluations = {}
+    for nproc in (None, 2):
+        copy = tmp_path / f"eval-{nproc or 1}"
+        shutil.copytree(trained, copy)
+        for report in reports:
+            os.remove(copy / report)
+        _run(script, hparams, copy, "--number_of_epochs=2", "--test_only", *args, nproc=nproc)
+        evaluations[nproc] = ({r: (copy / r).read_text() for r in reports},
+                              _lines(copy / "train_log.txt")[-1])
+    single, sharded = evaluations[None], evaluations[2]
+    assert single == sharded  # reports byte for byte, and the test-stats line
+    assert single[1].startswith("Epoch loaded: 2 - test loss")
+    return single
+
+
+def test_demo_recipe(tmp_path):
+    reports, stats = _train_then_compare_evaluations(
+        tmp_path, "recipes/demo/train.py", "hparams/demo.yaml", ["test_confusion.txt"])
+    assert reports["test_confusion.txt"].count("Overall Accuracy") == 1
+    assert re.search(r"test accuracy: [0-9.e+-]+", stats)
+
+
+@needs_fsdd
+def test_fsdd_digit_recipe(tmp_path):
+    reports, _ = _train_then_compare_evaluations(
+        tmp_path, "recipes/fsdd/train_digits.py", "hparams/fsdd_digits.yaml",
+        ["test_confusion.txt"], f"--data_folder={FSDD}", "--train_takes_limit=14")
+    # every one of the 300 test utterances counted once
+    counts = re.findall(r"^\d: (\d+) / (\d+)", reports["test_confusion.txt"], re.M)
+    assert sum(int(total) for _, total in counts) == 300
+
+
+@needs_fsdd
+def test_fsdd_ctc_recipe(tmp_path):
+    reports, _ = _train_then_compare_evaluations(
+        tmp_path, "recipes/fsdd/train_ctc.py", "hparams/fsdd_ctc.yaml",
+        ["test_wer.txt", "test_cer.txt"], f"--data_folder={FSDD}", "--train_takes_limit=14")
+    assert "Scored 300 sentences" in reports["test_wer.txt"]
+    assert reports["test_wer.txt"].count("%SER") == 1  # one report, not one per rank
+    utterances = re.findall(r"^(\d_\w+_\d), %WER", reports["test_wer.txt"], re.M)
+    assert len(utterances) == len(set(utterances)) == 300  # each utterance listed once
