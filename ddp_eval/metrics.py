@@ -14,8 +14,8 @@ left as they are, and numbers are merged as the sum of per-rank increments.
 
 Example
 -------
->>> rank0 = {"m": {"lists": {"ids": [(0, ["a"]), (2, ["c"])]}, "numbers": {}}}
->>> rank1 = {"m": {"lists": {"ids": [(1, ["b"])]}, "numbers": {}}}
+>>> rank0 = {"m": {"lists": {"ids": ([0, 2], [1, 1], ["a", "c"])}, "numbers": {}}}
+>>> rank1 = {"m": {"lists": {"ids": ([1], [1], ["b"])}, "numbers": {}}}
 >>> merge_metric_stats([rank0, rank1])["m"]["lists"]["ids"]
 ['a', 'b', 'c']
 """
@@ -106,8 +106,18 @@ def snapshot(objects: Mapping[str, Any]) -> Snapshot:
     return snap
 
 
-def _to_cpu(item: Any) -> Any:
-    return item.detach().cpu() if isinstance(item, torch.Tensor) else item
+def _pack(items: list) -> Any:
+    """A list of same-shaped tensors travels as one stacked CPU tensor (pickling
+    thousands of 0-d tensors one by one costs far more than the merge)."""
+    if items and all(isinstance(x, torch.Tensor) for x in items):
+        first = items[0]
+        if all(x.shape == first.shape and x.dtype == first.dtype for x in items):
+            return torch.stack([x.detach() for x in items]).cpu()
+    return [x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in items]
+
+
+def _unpack(packed: Any) -> list:
+    return list(packed.unbind(0)) if isinstance(packed, torch.Tensor) else packed
 
 
 def local_state(
@@ -129,9 +139,12 @@ def local_state(
     Returns
     -------
     dict
-        ``{path: {"lists": {field: [(global_id, items), ...]}, "numbers": {field: delta}}}``
+        ``{path: {"lists": {field: (positions, sizes, items)}, "numbers": {field: delta}}}``:
+        ``items`` are the new entries, ``sizes[i]`` of them appended during the
+        batch at global position ``positions[i]`` (``inf``: after the last batch).
     """
     end = snapshot(objects)
+    batches = len(snapshots) - 1
     state: Dict[str, Dict[str, Any]] = {}
     for top, obj in objects.items():
         for path, sub in _flatten(top, obj):
@@ -139,14 +152,11 @@ def local_state(
             for name, final in end[path].items():
                 value = vars(sub)[name]
                 if isinstance(value, list):
+                    # interval i = batch i; the last interval: after all batches
                     bounds = [s.get(path, {}).get(name, 0) for s in snapshots] + [final]
-                    pieces = []
-                    for i in range(len(bounds) - 1):  # interval i = batch i; the last one: after all batches
-                        items = value[bounds[i] : bounds[i + 1]]
-                        if items:
-                            gid = global_batch_ids[i] if i < len(snapshots) - 1 else math.inf
-                            pieces.append((gid, [_to_cpu(x) for x in items]))
-                    lists[name] = pieces
+                    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+                    positions = list(global_batch_ids[:batches]) + [math.inf]
+                    lists[name] = (positions, sizes, _pack(value[bounds[0] :]))
                 else:
                     numbers[name] = final - snapshots[0].get(path, {}).get(name, 0)
             state[path] = {"lists": lists, "numbers": numbers}
@@ -156,8 +166,8 @@ def local_state(
 def merge_metric_stats(rank_states: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Merges the per-rank states of :func:`local_state` (pure function).
 
-    List pieces are concatenated in global batch order (ties: rank order);
-    numeric increments are summed in rank order.
+    List entries are put in global batch order (ties: rank order); numeric
+    increments are summed in rank order.
 
     Example
     -------
@@ -175,8 +185,11 @@ def merge_metric_stats(rank_states: Sequence[Mapping[str, Any]]) -> Dict[str, Di
         numbers: Dict[str, Any] = {}
         for rank, state in enumerate(rank_states):
             entry = state.get(path, {"lists": {}, "numbers": {}})
-            for name, rank_pieces in entry["lists"].items():
-                pieces.setdefault(name, []).extend((gid, rank, items) for gid, items in rank_pieces)
+            for name, (positions, sizes, packed) in entry["lists"].items():
+                items, offset = _unpack(packed), 0
+                for position, size in zip(positions, sizes):
+                    pieces.setdefault(name, []).append((position, rank, items[offset : offset + size]))
+                    offset += size
             for name, delta in entry["numbers"].items():
                 numbers[name] = numbers.get(name, 0) + delta
         lists = {

@@ -1,6 +1,8 @@
 """``DDPEvalMixin``: sharded, exact validation and test for SpeechBrain's Brain."""
 
+import gc
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -25,6 +27,17 @@ from ddp_eval.metrics import (
 from ddp_eval.sharding import is_sharded, shard_dataloader
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -189,10 +202,11 @@ class DDPEvalMixin:
         per_rank = dist.exchange(f"{stage.name} stage end", describe_objects(objects))
         check_same_objects(per_rank, stage.name)
         total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
-        states = dist.all_gather_object(
-            local_state(objects, run.snapshots, run.global_batch_ids)
-        )
-        apply_merged(objects, run.snapshots[0], merge_metric_stats(states))
+        with _gc_paused():  # unpickling many small objects triggers costly full GCs
+            states = dist.all_gather_object(
+                local_state(objects, run.snapshots, run.global_batch_ids)
+            )
+            apply_merged(objects, run.snapshots[0], merge_metric_stats(states))
         loss = total / count if count else 0.0
         self._ddp_global_loss[stage] = loss
         return loss

@@ -2,16 +2,17 @@
 
 Batches, not samples, are sharded: every rank builds the same batches as one
 process would (same batch size, same sorting, same ``DynamicBatchSampler``) and
-keeps every ``world_size``-th one. Batch contents, padding and per-batch losses
-are therefore exactly those of a single-process run, and round-robin keeps
-length-sorted data balanced across ranks.
+keeps its share. Batch contents, padding and per-batch losses are therefore
+exactly those of a single-process run. The share is dealt like cards, in a
+snake order (0, 1, 1, 0, 0, 1, ...), so that with length-sorted data (the
+SpeechBrain default) no rank always gets the longer batch of each round.
 
 Example
 -------
 >>> shard_batches(7, rank=0, world_size=3)
-[0, 3, 6]
+[0, 5, 6]
 >>> shard_batches(7, rank=2, world_size=3)
-[2, 5]
+[2, 3]
 >>> shard_batches(1, rank=1, world_size=2)
 []
 """
@@ -24,9 +25,15 @@ from ddp_eval import dist
 from ddp_eval.errors import ConfigError
 
 
+def batch_owner(index: int, world_size: int) -> int:
+    """Rank that evaluates global batch ``index`` (snake order over rounds)."""
+    round_, seat = divmod(index, world_size)
+    return seat if round_ % 2 == 0 else world_size - 1 - seat
+
+
 def shard_batches(num_batches: int, rank: int, world_size: int) -> List[int]:
-    """Global indices of the batches that ``rank`` evaluates (round-robin)."""
-    return list(range(rank, num_batches, world_size))
+    """Global indices of the batches that ``rank`` evaluates, in order."""
+    return [i for i in range(num_batches) if batch_owner(i, world_size) == rank]
 
 
 class ShardedBatchSampler(Sampler):
@@ -48,7 +55,7 @@ class ShardedBatchSampler(Sampler):
     >>> from torch.utils.data import BatchSampler, SequentialSampler
     >>> batches = BatchSampler(SequentialSampler(range(5)), 2, drop_last=False)
     >>> list(ShardedBatchSampler(batches, rank=1, world_size=2))
-    [[2, 3]]
+    [[2, 3], [4]]
     """
 
     def __init__(
@@ -63,7 +70,7 @@ class ShardedBatchSampler(Sampler):
 
     def __iter__(self) -> Iterator[List[int]]:
         for index, batch in enumerate(self.batch_sampler):
-            if index % self.world_size == self.rank:
+            if batch_owner(index, self.world_size) == self.rank:
                 yield batch
 
     def __len__(self) -> int:

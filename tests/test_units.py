@@ -23,10 +23,10 @@ def test_shards_cover_every_batch_once(n, world):
 
 def test_sharded_sampler_yields_the_single_process_batches():
     batches = BatchSampler(SequentialSampler(range(11)), 3, drop_last=False)
-    shards = [list(ShardedBatchSampler(batches, r, 3)) for r in range(3)]
-    merged = [shards[g % 3][g // 3] for g in range(len(batches))]
-    assert merged == list(batches)
-    assert [len(ShardedBatchSampler(batches, r, 3)) for r in range(3)] == [2, 1, 1]
+    samplers = [ShardedBatchSampler(batches, r, 3) for r in range(3)]
+    by_position = {g: b for s in samplers for g, b in zip(s.global_batch_ids(), s)}
+    assert [by_position[g] for g in range(len(batches))] == list(batches)
+    assert [len(s) for s in samplers] == [len(list(s)) for s in samplers] == [1, 1, 2]
 
 
 def test_shuffled_eval_loader_is_refused():
@@ -65,8 +65,9 @@ def test_merge_restores_single_process_order_for_any_split():
             hyp = [[rng.choice("ab")] for _ in ids]
             ref = [[rng.choice("ab"), "c"] for _ in ids]
             single.append(ids, hyp, ref)
-            ranks[g % world].append(ids, hyp, ref)
-            snaps[g % world].append(snapshot({"m": ranks[g % world]}))
+            owner = ddp_eval.sharding.batch_owner(g, world)
+            ranks[owner].append(ids, hyp, ref)
+            snaps[owner].append(snapshot({"m": ranks[owner]}))
         states = [local_state({"m": m}, snaps[r], shard_batches(n_batches, r, world))
                   for r, m in enumerate(ranks)]
         merged = merge_metric_stats(states)
