@@ -11,6 +11,7 @@ from tests.mp_harness import run_ranks, results
 from tests.workers import (
     batchnorm_eval,
     diverging_scheduler,
+    fail_in_evaluation_loop,
     fail_in_on_stage_end,
     recipe,
     slow_rank,
@@ -43,7 +44,8 @@ def _assert_same_metrics(dist_record, single_record):
 def test_distributed_equals_single_process(world_size, single_process, tmp_path):
     """Valid (23 samples, batch 3), test (DynamicBatchSampler) and a 2-sample set
     (ranks with nothing at world size 3 and 4) give single-process numbers."""
-    per_rank = results(run_ranks(recipe, world_size, str(tmp_path), timeout=150))
+    per_rank = results(run_ranks(recipe, world_size, str(tmp_path), {"check_consistency": True},
+                                 timeout=150))
     single = single_process
     eval_records = [r for r in single["log"] if r["stage"] != "TRAIN"]
     for rank, out in enumerate(per_rank):
@@ -59,6 +61,8 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
         assert repr(out["log"]) == repr(per_rank[0]["log"])
         # checkpoints were written by rank 0 only, and loaded on every rank
         assert out["probe_loaded"] == "0"
+        # save_checkpoint returns the same Checkpoint on every rank
+        assert out["save_return"] == per_rank[0]["save_return"]
     # each sample evaluated exactly once per evaluation pass in the whole job
     # (2 validation epochs, the test set, the tiny set), as in one process
     seen = Counter(i for out in per_rank for i in out["seen_ids"])
@@ -75,6 +79,15 @@ def test_failure_on_one_rank_raises_on_all(tmp_path):
         assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
         assert "rank 1 failed" in outcomes[rank]["message"]
         assert "ValueError: boom on purpose" in outcomes[rank]["message"]
+
+
+def test_failure_inside_the_evaluation_loop_raises_on_all(tmp_path):
+    outcomes = run_ranks(fail_in_evaluation_loop, 3, str(tmp_path), 2, timeout=60)
+    assert outcomes[2]["error"] == "RuntimeError"
+    for rank in (0, 1):
+        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
+        assert "rank 2 failed at 'evaluate'" in outcomes[rank]["message"]
+        assert "RuntimeError: bad utterance on purpose" in outcomes[rank]["message"]
 
 
 def test_collective_timeout_names_missing_rank(tmp_path):

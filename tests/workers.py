@@ -14,6 +14,8 @@ def recipe(rank, world_size, ckpt_dir, ddp_eval_opts=None):
     """Runs the toy recipe converted with the mixin; returns what on_stage_end saw."""
     brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=ddp_eval_opts)
     out = toy.run_recipe(brain)
+    saved = brain.checkpointer.save_checkpoint(meta={"extra": True})
+    out["save_return"] = (str(saved.path), saved.meta, sorted(map(str, saved.paramfiles.values())))
     out["ckpt_files"] = sorted(os.listdir(ckpt_dir))
     return out
 
@@ -31,6 +33,16 @@ def fail_in_on_stage_end(rank, world_size, ckpt_dir, bad_rank):
         toy.run_recipe(brain)
     finally:
         os.environ["ELAPSED"] = str(time.monotonic() - start)
+
+
+def fail_in_evaluation_loop(rank, world_size, ckpt_dir, bad_rank):
+    class Failing(toy.DDPToyBrain):
+        def compute_objectives(self, logits, batch, stage):
+            if stage == sb.Stage.TEST and rank == bad_rank:
+                raise RuntimeError("bad utterance on purpose")
+            return super().compute_objectives(logits, batch, stage)
+
+    toy.run_recipe(toy.build(Failing, ckpt_dir))
 
 
 def slow_rank(rank, world_size, ckpt_dir, late_rank):
