@@ -98,8 +98,6 @@ def evaluation(mode, manifest):
 
 def merge_cost(n_utterances=10000, batch=10):
     """Times the mixin's stage-end merge of ErrorRateStats and BinaryMetricStats."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-
     class MergeBrain(ddp_eval.DDPEvalMixin, sb.Brain):
         def compute_forward(self, batch, stage):
             return batch

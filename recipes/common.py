@@ -88,7 +88,35 @@ def audio_datasets(hparams, label_pipeline):
     return datasets
 
 
-class ClassifierBrain(DDPEvalMixin, sb.Brain):
+class RecipeBrain(DDPEvalMixin, sb.Brain):
+    """What the recipes share: logging, the scheduler step, checkpoints, test reports.
+
+    Subclasses define ``key_metric`` (lower is better), ``metric_summary()`` and
+    ``write_test_reports()``.
+    """
+
+    key_metric = "error_rate"
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        stats = {"loss": stage_loss}
+        if stage != sb.Stage.TRAIN:
+            stats.update(self.metric_summary())
+        if stage == sb.Stage.TRAIN:
+            self.train_stats = stats
+        elif stage == sb.Stage.VALID:
+            old_lr, new_lr = self.hparams.lr_annealing(stats[self.key_metric])
+            sb.nnet.schedulers.update_learning_rate(self.optimizer, new_lr)
+            self.hparams.train_logger.log_stats(
+                {"epoch": epoch, "lr": old_lr}, train_stats=self.train_stats, valid_stats=stats)
+            self.checkpointer.save_and_keep_only(meta=stats, min_keys=[self.key_metric])
+        else:
+            self.hparams.train_logger.log_stats(
+                {"Epoch loaded": self.hparams.epoch_counter.current}, test_stats=stats)
+            if if_main_process():
+                self.write_test_reports()
+
+
+class ClassifierBrain(RecipeBrain):
     """Utterance classification: Fbank, per-utterance normalisation, a ConvClassifier."""
 
     def compute_forward(self, batch, stage):
@@ -112,25 +140,13 @@ class ClassifierBrain(DDPEvalMixin, sb.Brain):
             self.error_stats = sb.utils.metric_stats.MetricStats(
                 metric=lambda preds, labels: (preds != labels).float())
 
-    def on_stage_end(self, stage, stage_loss, epoch=None):
-        stats = {"loss": stage_loss}
-        if stage != sb.Stage.TRAIN:
-            stats["error_rate"] = self.error_stats.summarize("average")
-            stats["accuracy"] = self.classification_stats.summarize("accuracy")
-        if stage == sb.Stage.TRAIN:
-            self.train_stats = stats
-        elif stage == sb.Stage.VALID:
-            old_lr, new_lr = self.hparams.lr_annealing(stats["error_rate"])
-            sb.nnet.schedulers.update_learning_rate(self.optimizer, new_lr)
-            self.hparams.train_logger.log_stats(
-                {"epoch": epoch, "lr": old_lr}, train_stats=self.train_stats, valid_stats=stats)
-            self.checkpointer.save_and_keep_only(meta=stats, min_keys=["error_rate"])
-        else:
-            self.hparams.train_logger.log_stats(
-                {"Epoch loaded": self.hparams.epoch_counter.current}, test_stats=stats)
-            if if_main_process():
-                with open(self.hparams.test_report, "w") as f:
-                    self.classification_stats.write_stats(f)
+    def metric_summary(self):
+        return {"error_rate": self.error_stats.summarize("average"),
+                "accuracy": self.classification_stats.summarize("accuracy")}
+
+    def write_test_reports(self):
+        with open(self.hparams.test_report, "w") as f:
+            self.classification_stats.write_stats(f)
 
 
 def label_pipeline():

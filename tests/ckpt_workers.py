@@ -3,7 +3,6 @@
 import errno
 import os
 import pathlib
-import signal
 import time
 
 import torch

@@ -1,12 +1,10 @@
 """Kill tests: SIGKILL the writer at every step of a save, then resume."""
 
 import multiprocessing as mp
-import os
 
 import pytest
 import torch
 
-import ddp_eval
 from ddp_eval.checkpoint import TMP_PREFIX, inspect_checkpoint_dir
 from tests import kill_points
 

@@ -72,22 +72,16 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
         assert all(out["seen_ids"] != single["seen_ids"] for out in per_rank)
 
 
-def test_failure_on_one_rank_raises_on_all(tmp_path):
-    outcomes = run_ranks(fail_in_on_stage_end, 3, str(tmp_path), 1, timeout=60)
-    assert outcomes[1]["error"] == "ValueError" and "boom on purpose" in outcomes[1]["message"]
-    for rank in (0, 2):
+@pytest.mark.parametrize("worker,bad_rank,error,where", [
+    (fail_in_on_stage_end, 1, "ValueError: boom on purpose", "VALID on_stage_end"),
+    (fail_in_evaluation_loop, 2, "RuntimeError: bad utterance on purpose", "evaluate"),
+], ids=["in-on_stage_end", "in-evaluation-loop"])
+def test_failure_on_one_rank_raises_on_all(worker, bad_rank, error, where, tmp_path):
+    outcomes = run_ranks(worker, 3, str(tmp_path), bad_rank, timeout=60)
+    assert f"{outcomes[bad_rank]['error']}: {outcomes[bad_rank]['message']}" == error
+    for rank in {0, 1, 2} - {bad_rank}:
         assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
-        assert "rank 1 failed" in outcomes[rank]["message"]
-        assert "ValueError: boom on purpose" in outcomes[rank]["message"]
-
-
-def test_failure_inside_the_evaluation_loop_raises_on_all(tmp_path):
-    outcomes = run_ranks(fail_in_evaluation_loop, 3, str(tmp_path), 2, timeout=60)
-    assert outcomes[2]["error"] == "RuntimeError"
-    for rank in (0, 1):
-        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
-        assert "rank 2 failed at 'evaluate'" in outcomes[rank]["message"]
-        assert "RuntimeError: bad utterance on purpose" in outcomes[rank]["message"]
+        assert f"rank {bad_rank} failed at '{where}' with {error}" in outcomes[rank]["message"]
 
 
 def test_collective_timeout_names_missing_rank(tmp_path):

@@ -1,11 +1,9 @@
 """Single-process tests: config validation, sharding, the pure merge, no-op without a group."""
 
 import random
-import tempfile
 
 import pytest
 import speechbrain as sb
-import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import ddp_eval

@@ -15,17 +15,17 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import speechbrain as sb  # noqa: E402
-from speechbrain.utils.distributed import if_main_process  # noqa: E402
 
-from common import normalize_utterances, run_recipe  # noqa: E402
-from ddp_eval import DDPEvalMixin  # noqa: E402
+from common import RecipeBrain, normalize_utterances, run_recipe  # noqa: E402
 from fsdd.fsdd_prepare import prepare_fsdd  # noqa: E402
 
 BLANK = "_"
 CHARS = [BLANK] + sorted(set("zeroonetwothreefourfivesixseveneightnine"))
 
 
-class CTCBrain(DDPEvalMixin, sb.Brain):
+class CTCBrain(RecipeBrain):
+    key_metric = "CER"
+
     def compute_forward(self, batch, stage):
         wavs, lens = batch.sig
         feats, _ = normalize_utterances(self.hparams.compute_features(wavs), lens)
@@ -47,27 +47,15 @@ class CTCBrain(DDPEvalMixin, sb.Brain):
             self.wer_metric = sb.utils.metric_stats.ErrorRateStats()
             self.cer_metric = sb.utils.metric_stats.ErrorRateStats()
 
-    def on_stage_end(self, stage, stage_loss, epoch=None):
-        stats = {"loss": stage_loss}
-        if stage != sb.Stage.TRAIN:
-            stats["WER"] = self.wer_metric.summarize("error_rate")
-            stats["CER"] = self.cer_metric.summarize("error_rate")
-        if stage == sb.Stage.TRAIN:
-            self.train_stats = stats
-        elif stage == sb.Stage.VALID:
-            old_lr, new_lr = self.hparams.lr_annealing(stats["CER"])
-            sb.nnet.schedulers.update_learning_rate(self.optimizer, new_lr)
-            self.hparams.train_logger.log_stats(
-                {"epoch": epoch, "lr": old_lr}, train_stats=self.train_stats, valid_stats=stats)
-            self.checkpointer.save_and_keep_only(meta=stats, min_keys=["CER"])
-        else:
-            self.hparams.train_logger.log_stats(
-                {"Epoch loaded": self.hparams.epoch_counter.current}, test_stats=stats)
-            if if_main_process():
-                with open(self.hparams.test_wer_file, "w") as f:
-                    self.wer_metric.write_stats(f)
-                with open(self.hparams.test_cer_file, "w") as f:
-                    self.cer_metric.write_stats(f)
+    def metric_summary(self):
+        return {"WER": self.wer_metric.summarize("error_rate"),
+                "CER": self.cer_metric.summarize("error_rate")}
+
+    def write_test_reports(self):
+        with open(self.hparams.test_wer_file, "w") as f:
+            self.wer_metric.write_stats(f)
+        with open(self.hparams.test_cer_file, "w") as f:
+            self.cer_metric.write_stats(f)
 
 
 @sb.utils.data_pipeline.takes("word")
