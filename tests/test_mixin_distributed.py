@@ -53,8 +53,8 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
         assert len(dist_eval) == len(eval_records)
         for d, s in zip(dist_eval, eval_records):
             _assert_same_metrics(d, s)
-        assert math.isclose(out["test_loss"], single["test_loss"], rel_tol=1e-6)
-        assert math.isclose(out["tiny_loss"], single["tiny_loss"], rel_tol=1e-6)
+        for key in ("test_loss", "tiny_loss", "ready_loss", "ready_sharded_loss"):
+            assert math.isclose(out[key], single[key], rel_tol=1e-6), key
         # on_stage_end ran on every rank for TRAIN, VALID and TEST
         assert [r["stage"] for r in out["log"]] == [r["stage"] for r in single["log"]]
         # identical arguments on every rank, bit for bit (TRAIN loss included)
@@ -63,13 +63,15 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
         assert out["probe_loaded"] == "0"
         # save_checkpoint returns the same Checkpoint on every rank
         assert out["save_return"] == per_rank[0]["save_return"]
-    # each sample evaluated exactly once per evaluation pass in the whole job
-    # (2 validation epochs, the test set, the tiny set), as in one process
-    seen = Counter(i for out in per_rank for i in out["seen_ids"])
-    assert seen == Counter(single["seen_ids"])
-    assert set(Counter(single["seen_ids"]).values()) == {1, 2}
+        # a ready DataLoader is left alone: this rank evaluated all of it
+        assert out["seen"]["ready"] == single["seen"]["ready"]
+    # each sample evaluated exactly once per sharded pass in the whole job
+    for name in ("fit", "test", "tiny", "ready_sharded"):
+        seen = Counter(i for out in per_rank for i in out["seen"][name])
+        assert seen == Counter(single["seen"][name]), name
+    assert set(Counter(single["seen"]["fit"]).values()) == {2}  # two validation epochs
     if world_size > 1:
-        assert all(out["seen_ids"] != single["seen_ids"] for out in per_rank)
+        assert all(out["seen"]["test"] != single["seen"]["test"] for out in per_rank)
 
 
 @pytest.mark.parametrize("worker,bad_rank,error,where", [

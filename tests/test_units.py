@@ -82,5 +82,15 @@ def test_without_process_group_mixin_changes_nothing(tmp_path):
                                      checkpointer_cls=sb.utils.checkpoints.Checkpointer))
     mixed = toy.run_recipe(toy.build(toy.DDPToyBrain, tmp_path / "b"))
     assert repr(plain["log"]) == repr(mixed["log"])
-    assert plain["test_loss"] == mixed["test_loss"]
-    assert plain["tiny_loss"] == mixed["tiny_loss"]
+    for key in ("test_loss", "tiny_loss", "ready_loss", "ready_sharded_loss"):
+        assert plain[key] == mixed[key]
+
+
+def test_command_line_override_of_the_ddp_eval_section():
+    from hyperpyyaml import load_hyperpyyaml
+
+    _, _, overrides = sb.parse_arguments(
+        ["hparams.yaml", "--ddp_eval={shard_test: false, collective_timeout: 30}"])
+    hparams = load_hyperpyyaml("ddp_eval:\n    shard_valid: true\n    shard_test: true\n", overrides)
+    cfg = ddp_eval.DDPEvalConfig.from_hparams(hparams)
+    assert (cfg.shard_valid, cfg.shard_test, cfg.collective_timeout) == (True, False, 30)

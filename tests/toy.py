@@ -8,6 +8,8 @@ import os
 
 import torch
 import speechbrain as sb
+from speechbrain.dataio.batch import PaddedBatch
+from torch.utils.data import DataLoader
 from speechbrain.dataio.dataset import DynamicItemDataset
 from speechbrain.dataio.sampler import DynamicBatchSampler
 from speechbrain.utils.Accuracy import AccuracyStats
@@ -177,13 +179,30 @@ def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, d
 
 
 def run_recipe(brain, n_train=10, n_valid=23, n_test=23, n_tiny=2):
-    """fit (VALID with batch_size 3), evaluate with DynamicBatchSampler, then a tiny test set."""
+    """fit (VALID with batch_size 3), evaluate with DynamicBatchSampler, a tiny test
+    set, then a ready DataLoader as it is (every rank evaluates all of it) and
+    sharded with ddp_eval.shard_dataloader. Returns what each pass saw."""
     train, valid, test, tiny = (make_dataset(n_train, 0), make_dataset(n_valid, 1),
                                 make_dataset(n_test, 2, "tst"), make_dataset(n_tiny, 3, "tiny"))
-    brain.fit(brain.hparams.counter, train, valid,
-              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
-    test_loss = brain.evaluate(test, min_key="loss",
-                               test_loader_kwargs={"batch_sampler": dynamic_batches(test)})
-    tiny_loss = brain.evaluate(tiny, min_key="loss", test_loader_kwargs={"batch_size": 1})
+    seen = {}
+
+    def run(name, call):
+        start = len(brain.seen_ids)
+        result = call()
+        seen[name] = brain.seen_ids[start:]
+        return result
+
+    run("fit", lambda: brain.fit(brain.hparams.counter, train, valid,
+                                 train_loader_kwargs={"batch_size": 4},
+                                 valid_loader_kwargs={"batch_size": 3}))
+    test_loss = run("test", lambda: brain.evaluate(
+        test, min_key="loss", test_loader_kwargs={"batch_sampler": dynamic_batches(test)}))
+    tiny_loss = run("tiny", lambda: brain.evaluate(
+        tiny, min_key="loss", test_loader_kwargs={"batch_size": 1}))
+    ready = DataLoader(test, batch_size=4, collate_fn=PaddedBatch)
+    ready_loss = run("ready", lambda: brain.evaluate(ready, min_key="loss"))
+    sharded_loss = run("ready_sharded", lambda: brain.evaluate(
+        ddp_eval.shard_dataloader(ready), min_key="loss"))
     return {"log": brain.log, "test_loss": test_loss, "tiny_loss": tiny_loss,
-            "seen_ids": brain.seen_ids, "probe_loaded": brain.hparams.probe.loaded}
+            "ready_loss": ready_loss, "ready_sharded_loss": sharded_loss,
+            "seen": seen, "probe_loaded": brain.hparams.probe.loaded}
