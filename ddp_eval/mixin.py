@@ -59,7 +59,7 @@ class DDPEvalMixin:
     sb.Brain)``. Under ``torchrun``:
 
     * ``fit(valid_set=...)`` and ``evaluate(test_set)`` evaluate each batch on
-      exactly one rank (round-robin over the batches one process would build);
+      exactly one rank (the batches one process would build, dealt in snake order);
     * before ``on_stage_end``, the stage loss is reduced with ``all_reduce``
       (sums and counts) and every SpeechBrain metric object on the Brain is
       merged, so ``on_stage_end`` runs on every rank with the single-process
