@@ -107,3 +107,17 @@ def elastic_fit(rank, world_size, directory, epochs):
               train_loader_kwargs={"batch_size": 2}, valid_loader_kwargs={"batch_size": 2})
     return {"epochs_run": [r["epoch"] for r in brain.log if r["stage"] == "TRAIN"],
             "weights": _weights(brain), "started_from": brain.started_from}
+
+
+def time_based_intra_epoch_saves(rank, world_size, directory):
+    """A time-based interval (here: always elapsed) decided on rank 0 and broadcast
+    by SpeechBrain; every rank must take the same branch into the checkpointer."""
+    brain = toy.build(toy.DDPToyBrain, directory, lr=0.1, epochs=1)
+    brain.ckpt_interval_minutes = 1e-9
+    saves, save = [], brain.checkpointer.save_checkpoint
+    brain.checkpointer.save_checkpoint = lambda **kw: saves.append(kw) or save(**kw)
+    brain.fit(brain.hparams.counter, toy.make_dataset(16, 0), toy.make_dataset(5, 1),
+              train_loader_kwargs={"batch_size": 2}, valid_loader_kwargs={"batch_size": 2})
+    kept = sorted((c.meta.get(INTRA_EPOCH_CKPT_FLAG, False), c.meta.get("loss") is not None)
+                  for c in brain.checkpointer.list_checkpoints())
+    return [s["end_of_epoch"] for s in saves], kept

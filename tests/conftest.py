@@ -1,4 +1,7 @@
+import glob
+import multiprocessing
 import os
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -8,9 +11,17 @@ _RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 @pytest.fixture(autouse=True)
 def no_leaked_process_group_or_env():
-    """Fails a test that leaves a process group or torchrun variables behind."""
+    """Fails a test that leaves a process group, torchrun variables, child
+    processes or harness work directories behind."""
     before = {k: os.environ.get(k) for k in _RANK_VARS}
+    pattern = os.path.join(tempfile.gettempdir(), "ddp_eval_mp_*")
+    workdirs = set(glob.glob(pattern))
     yield
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    assert not children, f"test left processes running: {children}"
+    assert set(glob.glob(pattern)) <= workdirs, "test left process-group work directories behind"
     leaked = dist.is_available() and dist.is_initialized()
     if leaked:
         dist.destroy_process_group()

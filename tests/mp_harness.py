@@ -8,6 +8,7 @@ it kills every one of them and fails the test, so a hang costs seconds.
 
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import time
@@ -63,6 +64,7 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None):
             os.kill(p.pid, signal.SIGKILL)
         p.join()
     if alive:
+        shutil.rmtree(workdir)
         raise Hang(f"ranks {alive} still running after {timeout} s (killed)")
     outcomes = []
     for r, p in enumerate(procs):
@@ -72,6 +74,7 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None):
                 outcomes.append(pickle.load(f))
         else:
             outcomes.append({"exitcode": p.exitcode})
+    shutil.rmtree(workdir)
     return outcomes
 
 

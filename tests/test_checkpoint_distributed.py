@@ -123,3 +123,12 @@ def test_elastic_resume_4_to_2_to_1_and_back_to_4(tmp_path):
                 for key, value in previous.items():
                     assert torch.equal(out["started_from"][key], value), (world_size, key)
         previous = per_rank[0]["weights"]
+
+
+def test_time_based_intra_epoch_checkpoints_stay_in_step(tmp_path):
+    per_rank = results(run_ranks(w.time_based_intra_epoch_saves, 2, str(tmp_path), timeout=90))
+    saves, kept = per_rank[0]
+    assert per_rank[1] == per_rank[0]
+    assert saves == [False] * 4 + [True]  # 4 batches per rank, each followed by a save
+    # the intra-epoch one is deleted by the end-of-epoch save_and_keep_only
+    assert kept == [(False, True)]
