@@ -4,8 +4,10 @@ same checkpoint with 1 and with 2 processes and compare the reports."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -65,6 +67,39 @@ def test_demo_recipe(tmp_path):
         tmp_path, "recipes/demo/train.py", "hparams/demo.yaml", ["test_confusion.txt"])
     assert reports["test_confusion.txt"].count("Overall Accuracy") == 1
     assert re.search(r"test accuracy: [0-9.e+-]+", stats)
+
+
+def test_demo_recipe_resumes_after_sigkill(tmp_path):
+    """Kill the whole torchrun job (SIGKILL) once a checkpoint exists, then rerun."""
+    output = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "recipes/demo/train.py"), os.path.join(ROOT, "hparams/demo.yaml"),
+           f"--output_folder={output}", "--device=cpu", "--noprogressbar",
+           "--distributed_backend=gloo", "--number_of_epochs=30"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and job.poll() is None:
+            save = output / "save"
+            if save.is_dir() and any(d.startswith("CKPT") for d in os.listdir(save)):
+                break
+            time.sleep(0.05)
+        assert job.poll() is None, "the job ended before it could be killed"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # torchrun and both workers, mid-training
+        job.wait()
+    epochs_before = [int(line.split(",")[0].split()[1]) for line in _lines(output / "train_log.txt")
+                     if line.startswith("epoch")]
+    _run("recipes/demo/train.py", "hparams/demo.yaml", output, "--number_of_epochs=30")
+    epochs = [int(line.split(",")[0].split()[1]) for line in _lines(output / "train_log.txt")
+              if line.startswith("epoch")]
+    resumed = epochs[len(epochs_before):]
+    assert epochs_before and resumed, (epochs_before, resumed)
+    # resumed after the last complete checkpoint: no epoch restarted from scratch
+    assert resumed[0] in (epochs_before[-1], epochs_before[-1] + 1)
+    assert resumed == list(range(resumed[0], 31))
+    assert not [d for d in os.listdir(output / "save") if d.startswith(".")]
 
 
 @needs_fsdd
