@@ -59,7 +59,7 @@ def storage_without_rename(rank, world_size, directory, action):
 def writer_killed_mid_save(rank, world_size, directory):
     """Rank 0 dies with SIGKILL inside a parameter file of the second save."""
     ckpter, model, blob = kill_points.make_checkpointer(directory, version=1)
-    ckpter.timeout = 3
+    ckpter.timeout = 2
     ckpter.save_checkpoint(meta={"version": 1})
     if rank == 0:
         kill_points._state.update(count=0, kill_at=1)

@@ -98,7 +98,8 @@ def test_writer_killed_mid_save_other_rank_errors_and_resume_loads_previous(tmp_
     assert outcomes[0] == {"exitcode": -9}
     assert outcomes[1]["error"] == "CollectiveTimeoutError", outcomes[1]
     assert "ranks that did not arrive: [0]" in outcomes[1]["message"]
-    assert _elapsed(timing, 1) < 3 + 2
+    # the 2 s timeout, plus up to 1 s by which the test's FileStore overshoots waits
+    assert _elapsed(timing, 1) < 2 + 2
     _only_previous_checkpoint_loads(tmp_path / "ck", 1)
 
 
