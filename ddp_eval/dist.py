@@ -175,12 +175,15 @@ def exchange(
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as exc:  # DistStoreError / RuntimeError on timeout
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise CollectiveTimeoutError(
+        error = CollectiveTimeoutError(
             f"ddp_eval: rank {get_rank()} waited {timeout:g} s at '{tag}' "
             f"(sync #{seq}); expected all {world} ranks, ranks that did not "
             f"arrive: {missing}. Check their logs; if they are only slow, raise "
             "the collective timeout (ddp_eval: collective_timeout)."
-        ) from exc
+        )
+        # A rank arriving late must not take our envelope for a go-ahead.
+        store.set(_key(seq, get_rank()), pickle.dumps(_Envelope(tag, None, _describe(error))))
+        raise error from exc
     envelopes = [pickle.loads(store.get(k)) for k in keys]
     if seq > 1:  # every rank has read our previous envelope once all posted this one
         store.delete_key(_key(seq - 1, get_rank()))

@@ -92,6 +92,9 @@ def test_collective_timeout_names_missing_rank(tmp_path):
         assert outcomes[rank]["error"] == "CollectiveTimeoutError", outcomes[rank]
         assert "ranks that did not arrive: [2]" in outcomes[rank]["message"]
         assert "VALID" in outcomes[rank]["message"]
+    # the late rank, when it arrives, is told instead of entering a dead collective
+    assert outcomes[2]["error"] == "RankFailedError", outcomes[2]
+    assert "CollectiveTimeoutError" in outcomes[2]["message"]
 
 
 def test_consistency_check_names_diverging_object_and_rank(tmp_path):
