@@ -203,7 +203,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
                 error = CheckpointWriteError(
                     f"ddp_eval: rank {dist.get_rank()} could not write checkpoint "
                     f"{self.checkpoints_dir / dirname}: {type(exc).__name__}: {exc}. "
-                    "Nothing was committed; the previous checkpoints are intact."
+                    "The previous checkpoints are intact."
                 )
                 error.__cause__ = exc
         written = dist.exchange("checkpoint save: end", full_meta, error=error, timeout=self.timeout)
@@ -324,15 +324,16 @@ class Checkpointer(sb_ckpt.Checkpointer):
 
     def _publish(self, work: pathlib.Path, final: pathlib.Path) -> None:
         """Renames ``work`` to ``final``, replacing an existing one atomically."""
+        # Leftovers of the old version are hidden names, removed at the next start.
         if not final.exists():
             _rename_dir(work, final)
         elif _exchange_dirs(work, final):
-            shutil.rmtree(work)  # now holds the old version
+            shutil.rmtree(work, ignore_errors=True)  # now holds the old version
         else:  # no renameat2: a short window without `final`, repaired at start-up
             trash = self.checkpoints_dir / f"{TRASH_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
             _rename_dir(final, trash)
             _rename_dir(work, final)
-            shutil.rmtree(trash)
+            shutil.rmtree(trash, ignore_errors=True)
 
     def _remove_dir(self, path: pathlib.Path) -> None:
         trash = self.checkpoints_dir / f"{TRASH_PREFIX}deleted.{uuid.uuid4().hex[:8]}"
@@ -343,7 +344,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
                 raise
             trash = path  # fallback storage: remove in place, meta file first
             (path / sb_ckpt.METAFNAME).unlink(missing_ok=True)
-        shutil.rmtree(trash)
+        shutil.rmtree(trash, ignore_errors=True)  # a hidden leftover is removed at the next start
 
     def _prepare_directory(self) -> None:
         """On the writer: remove leftovers of a crashed run, probe the storage once."""
