@@ -37,7 +37,7 @@ def _lines(path):
         return f.read().splitlines()
 
 
-def _train_then_compare_evaluations(tmp_path, script, hparams, reports, *args):
+def _train_then_compare_evaluations(tmp_path, script, hparams, reports, *args, world_sizes=(2,)):
     trained = tmp_path / "trained"
     _run(script, hparams, trained, "--number_of_epochs=1", *args)
     _run(script, hparams, trained, "--number_of_epochs=2", *args)  # resumes at epoch 2
@@ -48,23 +48,25 @@ def _train_then_compare_evaluations(tmp_path, script, hparams, reports, *args):
     ckpts = [d for d in os.listdir(trained / "save") if d.startswith("CKPT")]
     assert 1 <= len(ckpts) <= 2 and not [d for d in os.listdir(trained / "save") if d.startswith(".")]
     evaluations = {}
-    for nproc in (None, 2):
-        copy = tmp_path / f"eval-{nproc or 1}"
+    for nproc in (None,) + tuple(world_sizes):
+        copy = tmp_path / f"eval-{nproc or 'python'}"
         shutil.copytree(trained, copy)
         for report in reports:
             os.remove(copy / report)
         _run(script, hparams, copy, "--number_of_epochs=2", "--test_only", *args, nproc=nproc)
         evaluations[nproc] = ({r: (copy / r).read_text() for r in reports},
                               _lines(copy / "train_log.txt")[-1])
-    single, sharded = evaluations[None], evaluations[2]
-    assert single == sharded  # reports byte for byte, and the test-stats line
+    single = evaluations[None]
+    for nproc in world_sizes:  # reports byte for byte, and the test-stats line
+        assert evaluations[nproc] == single, f"torchrun --nproc_per_node={nproc} differs"
     assert single[1].startswith("Epoch loaded: 2 - test loss")
     return single
 
 
 def test_demo_recipe(tmp_path):
     reports, stats = _train_then_compare_evaluations(
-        tmp_path, "recipes/demo/train.py", "hparams/demo.yaml", ["test_confusion.txt"])
+        tmp_path, "recipes/demo/train.py", "hparams/demo.yaml", ["test_confusion.txt"],
+        world_sizes=(1, 2, 3, 4))
     assert reports["test_confusion.txt"].count("Overall Accuracy") == 1
     assert re.search(r"test accuracy: [0-9.e+-]+", stats)
 
