@@ -74,6 +74,21 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
         assert all(out["seen"]["test"] != single["seen"]["test"] for out in per_rank)
 
 
+def test_sharding_switched_off_per_stage(single_process, tmp_path):
+    """shard_test: false keeps SpeechBrain's behaviour for TEST (every rank evaluates
+    everything) while VALID stays sharded; the numbers are the same either way."""
+    per_rank = results(run_ranks(recipe, 2, str(tmp_path), {"shard_test": False}, timeout=150))
+    single = single_process
+    for out in per_rank:
+        assert out["seen"]["test"] == single["seen"]["test"]  # the whole test set
+        for d, s in zip(out["log"], single["log"], strict=True):
+            if d["stage"] != "TRAIN":
+                _assert_same_metrics(d, s)
+        assert math.isclose(out["test_loss"], single["test_loss"], rel_tol=1e-6)
+    seen_valid = Counter(i for out in per_rank for i in out["seen"]["fit"])
+    assert seen_valid == Counter(single["seen"]["fit"])  # still sharded
+
+
 @pytest.mark.parametrize("worker,bad_rank,error,where", [
     (fail_in_on_stage_end, 1, "ValueError: boom on purpose", "VALID on_stage_end"),
     (fail_in_evaluation_loop, 2, "RuntimeError: bad utterance on purpose", "evaluate"),
