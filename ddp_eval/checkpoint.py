@@ -30,7 +30,7 @@ import pathlib
 import shutil
 import time
 import uuid
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import yaml
 from speechbrain.utils import checkpoints as sb_ckpt
@@ -183,7 +183,10 @@ class Checkpointer(sb_ckpt.Checkpointer):
 
     # -- writing -------------------------------------------------------------
 
-    def save_checkpoint(self, meta={}, end_of_epoch=True, name=None, verbosity=logging.INFO):
+    def save_checkpoint(
+        self, meta: Mapping[str, Any] = {}, end_of_epoch: bool = True,
+        name: Optional[str] = None, verbosity: int = logging.INFO,
+    ) -> sb_ckpt.Checkpoint:
         """Saves a checkpoint atomically; returns the same Checkpoint on every rank.
 
         Call it on every rank (no ``if_main_process()`` guard needed).
@@ -214,7 +217,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
     def save_and_keep_only(
         self, meta={}, end_of_epoch=True, name=None, num_to_keep=1, keep_recent=True,
         importance_keys=[], max_keys=[], min_keys=[], ckpt_predicate=None, verbosity=logging.INFO,
-    ):
+    ) -> None:
         """Saves, then deletes the least important checkpoints (as SpeechBrain).
 
         Why override: SpeechBrain appends to its mutable default
@@ -230,7 +233,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
     def delete_checkpoints(
         self, *, num_to_keep=1, min_keys=None, max_keys=None,
         importance_keys=[sb_ckpt.ckpt_recency], ckpt_predicate=None, verbosity=logging.INFO,
-    ):
+    ) -> None:
         """Deletes the least important checkpoints, on the writer only (as SpeechBrain).
 
         Each deleted directory is renamed away first, so it disappears atomically.
@@ -390,7 +393,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
 
     # -- reading -------------------------------------------------------------
 
-    def list_checkpoints(self):
+    def list_checkpoints(self) -> List[sb_ckpt.Checkpoint]:
         """Lists complete checkpoints only; skipped ones are named in a warning."""
         found = []
         for ckpt_dir in self._list_checkpoint_dirs():
@@ -412,7 +415,10 @@ class Checkpointer(sb_ckpt.Checkpointer):
             return []
         return [n for n in self.recoverables if not self.optional_recoverables.get(n) and "dataloader" not in n]
 
-    def find_checkpoint(self, importance_key=None, max_key=None, min_key=None, ckpt_predicate=None):
+    def find_checkpoint(
+        self, importance_key=None, max_key: Optional[str] = None, min_key: Optional[str] = None,
+        ckpt_predicate=None,
+    ) -> Optional[sb_ckpt.Checkpoint]:
         """Why: rank 0 chooses and broadcasts, so every rank loads the same checkpoint."""
         choice, error = None, None
         if dist.get_rank() == 0:
@@ -439,7 +445,10 @@ class Checkpointer(sb_ckpt.Checkpointer):
         dist.exchange("find checkpoint: local copy", error=error, timeout=self.timeout)
         return ckpt
 
-    def recover_if_possible(self, importance_key=None, max_key=None, min_key=None, ckpt_predicate=None):
+    def recover_if_possible(
+        self, importance_key=None, max_key: Optional[str] = None, min_key: Optional[str] = None,
+        ckpt_predicate=None,
+    ) -> Optional[sb_ckpt.Checkpoint]:
         """Why: the writer first removes leftovers of a crashed run."""
         if self._is_writer() and self.checkpoints_dir.exists():
             with dist.fail_together("checkpoint directory cleanup"):

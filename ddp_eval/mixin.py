@@ -101,7 +101,8 @@ class DDPEvalMixin:
 
     # -- Brain overrides ---------------------------------------------------
 
-    def make_dataloader(self, dataset, stage, ckpt_prefix="dataloader-", **loader_kwargs):
+    def make_dataloader(self, dataset, stage: sb.Stage, ckpt_prefix: Optional[str] = "dataloader-",
+                        **loader_kwargs) -> Any:
         """Why: SpeechBrain shards only TRAIN; this also shards VALID and TEST."""
         loader = super().make_dataloader(dataset, stage, ckpt_prefix, **loader_kwargs)
         if self._ddp_should_shard(stage):
@@ -121,7 +122,7 @@ class DDPEvalMixin:
         with dist.fail_together("fit"):
             return super().fit(epoch_counter, train_set, valid_set, *args, **kwargs)
 
-    def evaluate(self, test_set, *args, **kwargs):
+    def evaluate(self, test_set, *args, **kwargs) -> float:
         """Why: note whether TEST is sharded, return the global loss, fail together."""
         self._ddp_loaders[sb.Stage.TEST] = test_set
         self._ddp_global_loss.pop(sb.Stage.TEST, None)
@@ -129,7 +130,7 @@ class DDPEvalMixin:
             local_loss = super().evaluate(test_set, *args, **kwargs)
         return self._ddp_global_loss.get(sb.Stage.TEST, local_loss)
 
-    def update_average(self, loss, avg_loss):
+    def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
         """Why: the one per-batch hook of every Brain loop; it records exact loss
         sums and where each batch's metric entries end, for the merge."""
         run = self._ddp_run

@@ -121,3 +121,21 @@ def time_based_intra_epoch_saves(rank, world_size, directory):
     kept = sorted((c.meta.get(INTRA_EPOCH_CKPT_FLAG, False), c.meta.get("loss") is not None)
                   for c in brain.checkpointer.list_checkpoints())
     return [s["end_of_epoch"] for s in saves], kept
+
+
+def guarded_saves(rank, world_size, directory):
+    """Old recipes save under run_on_main (rank 0 only): still works, without hangs.
+    A bare `if if_main_process():` guard is reported as ranks out of step."""
+    from speechbrain.utils.distributed import if_main_process, run_on_main
+
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=1)
+    ckpter.timeout = 5
+    run_on_main(ckpter.save_and_keep_only, kwargs={"meta": {"version": 1}, "importance_keys": []})
+    found = ckpter.find_checkpoint()
+    try:
+        if if_main_process():
+            ckpter.save_checkpoint(meta={"version": 2})
+        ckpter.delete_checkpoints(num_to_keep=5)
+    except ddp_eval.DDPEvalError as error:
+        return found.meta["version"], type(error).__name__, str(error)
+    return found.meta["version"], None, None

@@ -133,3 +133,11 @@ def test_time_based_intra_epoch_checkpoints_stay_in_step(tmp_path):
     assert saves == [False] * 4 + [True]  # 4 batches per rank, each followed by a save
     # the intra-epoch one is deleted by the end-of-epoch save_and_keep_only
     assert kept == [(False, True)]
+
+
+def test_saves_guarded_by_run_on_main_work_and_bare_guards_fail_clearly(tmp_path):
+    per_rank = results(run_ranks(w.guarded_saves, 2, str(tmp_path), timeout=60))
+    for version, error, message in per_rank:
+        assert version == 1  # saved under run_on_main, found on both ranks
+        assert error == "OutOfStepError", message
+        assert "'checkpoint save: begin'" in message and "'delete checkpoints: begin'" in message
