@@ -91,18 +91,27 @@ def _flatten(path: str, obj: Any) -> Iterable[Tuple[str, Any]]:
         yield from _flatten(f"{path}.base_stats", obj.base_stats)
 
 
+def _all_flat(objects: Mapping[str, Any]) -> Iterable[Tuple[str, Any]]:
+    """Every (nested) metric object once, e.g. a base_stats also held directly."""
+    seen = set()
+    for top, obj in objects.items():
+        for path, sub in _flatten(top, obj):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                yield path, sub
+
+
 def snapshot(objects: Mapping[str, Any]) -> Snapshot:
     """Records list lengths and numeric fields of every (nested) metric object."""
     snap: Snapshot = {}
-    for top, obj in objects.items():
-        for path, sub in _flatten(top, obj):
-            fields = {}
-            for name, value in vars(sub).items():
-                if isinstance(value, list):
-                    fields[name] = len(value)
-                elif _is_number(value):
-                    fields[name] = value
-            snap[path] = fields
+    for path, sub in _all_flat(objects):
+        fields = {}
+        for name, value in vars(sub).items():
+            if isinstance(value, list):
+                fields[name] = len(value)
+            elif _is_number(value):
+                fields[name] = value
+        snap[path] = fields
     return snap
 
 
@@ -146,20 +155,19 @@ def local_state(
     end = snapshot(objects)
     batches = len(snapshots) - 1
     state: Dict[str, Dict[str, Any]] = {}
-    for top, obj in objects.items():
-        for path, sub in _flatten(top, obj):
-            lists, numbers = {}, {}
-            for name, final in end[path].items():
-                value = vars(sub)[name]
-                if isinstance(value, list):
-                    # interval i = batch i; the last interval: after all batches
-                    bounds = [s.get(path, {}).get(name, 0) for s in snapshots] + [final]
-                    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-                    positions = list(global_batch_ids[:batches]) + [math.inf]
-                    lists[name] = (positions, sizes, _pack(value[bounds[0] :]))
-                else:
-                    numbers[name] = final - snapshots[0].get(path, {}).get(name, 0)
-            state[path] = {"lists": lists, "numbers": numbers}
+    for path, sub in _all_flat(objects):
+        lists, numbers = {}, {}
+        for name, final in end[path].items():
+            value = vars(sub)[name]
+            if isinstance(value, list):
+                # interval i = batch i; the last interval: after all batches
+                bounds = [s.get(path, {}).get(name, 0) for s in snapshots] + [final]
+                sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+                positions = list(global_batch_ids[:batches]) + [math.inf]
+                lists[name] = (positions, sizes, _pack(value[bounds[0] :]))
+            else:
+                numbers[name] = final - snapshots[0].get(path, {}).get(name, 0)
+        state[path] = {"lists": lists, "numbers": numbers}
     return state
 
 
@@ -206,16 +214,16 @@ def apply_merged(
     """Writes merged state into the local metric objects (prefix kept)."""
     for top, obj in objects.items():
         _create_missing_inner(top, obj, merged)
-        for path, sub in _flatten(top, obj):
-            if path not in merged:
-                continue
-            before = start.get(path, {})
-            for name, items in merged[path]["lists"].items():
-                setattr(sub, name, getattr(sub, name, [])[: before.get(name, 0)] + items)
-            for name, delta in merged[path]["numbers"].items():
-                setattr(sub, name, before.get(name, 0) + delta)
-            if isinstance(getattr(sub, "summary", None), dict):
-                sub.summary = {}
+    for path, sub in _all_flat(objects):
+        if path not in merged:
+            continue
+        before = start.get(path, {})
+        for name, items in merged[path]["lists"].items():
+            setattr(sub, name, getattr(sub, name, [])[: before.get(name, 0)] + items)
+        for name, delta in merged[path]["numbers"].items():
+            setattr(sub, name, before.get(name, 0) + delta)
+        if isinstance(getattr(sub, "summary", None), dict):
+            sub.summary = {}
 
 
 def _create_missing_inner(top: str, obj: Any, merged: Mapping[str, Any]) -> None:

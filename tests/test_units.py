@@ -4,6 +4,7 @@ import random
 
 import pytest
 import speechbrain as sb
+import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import ddp_eval
@@ -94,3 +95,50 @@ def test_command_line_override_of_the_ddp_eval_section():
     hparams = load_hyperpyyaml("ddp_eval:\n    shard_valid: true\n    shard_test: true\n", overrides)
     cfg = ddp_eval.DDPEvalConfig.from_hparams(hparams)
     assert (cfg.shard_valid, cfg.shard_test, cfg.collective_timeout) == (True, False, 30)
+
+
+def _simulate_ranks(make_objects, append, n_batches, world):
+    """Single-process: deal batches to simulated ranks, merge, return merged objects per rank."""
+    single = make_objects()
+    ranks = [make_objects() for _ in range(world)]
+    starts = [snapshot(objs) for objs in ranks]
+    snaps = [[s] for s in starts]
+    for g in range(n_batches):
+        append(single, g)
+        owner = ddp_eval.sharding.batch_owner(g, world)
+        append(ranks[owner], g)
+        snaps[owner].append(snapshot(ranks[owner]))
+    states = [local_state(ranks[r], snaps[r], shard_batches(n_batches, r, world))
+              for r in range(world)]
+    merged = merge_metric_stats(states)
+    for r in range(world):
+        ddp_eval.metrics.apply_merged(ranks[r], starts[r], merged)
+    return single, ranks
+
+
+def test_weighted_error_rate_and_base_stats_held_twice_merge_once():
+    def make():
+        base = sb.utils.metric_stats.ErrorRateStats()
+        weighted = sb.utils.metric_stats.WeightedErrorRateStats(base, lambda e, a, b: 0.5)
+        return {"base": base, "weighted": weighted}
+
+    def append(objs, g):
+        objs["base"].append([f"u{g}"], [["a", "b"][: 1 + g % 2]], [["a", "c"]])
+
+    single, ranks = _simulate_ranks(make, append, 5, 3)
+    for objs in ranks:
+        assert objs["base"].ids == single["base"].ids  # not duplicated
+        assert objs["weighted"].summarize() == single["weighted"].summarize()
+
+
+def test_multimetric_on_a_rank_with_no_batches_gets_every_key():
+    def make():
+        return {"multi": sb.utils.metric_stats.MultiMetricStats(
+            lambda a, b: {"sum": a + b, "diff": a - b}, batch_eval=True)}
+
+    def append(objs, g):
+        objs["multi"].append([f"u{g}"], a=torch.tensor([float(g)]), b=torch.tensor([1.0]))
+
+    single, ranks = _simulate_ranks(make, append, 1, 2)  # rank 1 evaluates nothing
+    for objs in ranks:
+        assert objs["multi"].summarize() == single["multi"].summarize()
