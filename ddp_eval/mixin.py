@@ -2,6 +2,7 @@
 
 import gc
 import logging
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -168,15 +169,16 @@ class DDPEvalMixin:
     def _ddp_wrap_stage_end(self, user_on_stage_end):
         def on_stage_end(stage, stage_loss, epoch=None):
             stage_loss = self._ddp_sync_stage(stage, stage_loss)
-            error = None
+            check = self.ddp_eval_config.check_consistency
+            error, payload = None, None
             try:
                 user_on_stage_end(stage, stage_loss, epoch)
+                if check:
+                    payload = state_summaries(self, self._ddp_recoverables())
             except DDPEvalError:
                 raise  # already raised on every rank by an exchange inside
             except BaseException as exc:  # noqa: B036 - re-raised by exchange
                 error = exc
-            check = self.ddp_eval_config.check_consistency
-            payload = state_summaries(self, self._ddp_recoverables()) if check else None
             per_rank = dist.exchange(f"{stage.name} on_stage_end", payload, error=error)
             if check:
                 check_states_agree(per_rank, stage.name)
@@ -199,14 +201,19 @@ class DDPEvalMixin:
             return total / count if count else stage_loss
         if run is None or not run.sharded:
             return stage_loss  # every rank evaluated everything itself
-        objects = self._ddp_metric_objects()
-        per_rank = dist.exchange(f"{stage.name} stage end", describe_objects(objects))
+        # Everything that can fail on one rank happens before the exchange, so a
+        # failure is reported there instead of leaving the others in a collective.
+        error, objects, packed = None, {}, None
+        try:
+            objects = self._ddp_metric_objects()
+            packed = pickle.dumps(local_state(objects, run.snapshots, run.global_batch_ids))
+        except Exception as exc:
+            error = exc
+        per_rank = dist.exchange(f"{stage.name} stage end", describe_objects(objects), error=error)
         check_same_objects(per_rank, stage.name)
         total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
         with _gc_paused():  # unpickling many small objects triggers costly full GCs
-            states = dist.all_gather_object(
-                local_state(objects, run.snapshots, run.global_batch_ids)
-            )
+            states = [pickle.loads(blob) for blob in dist.all_gather_object(packed)]
             apply_merged(objects, run.snapshots[0], merge_metric_stats(states))
         loss = total / count if count else 0.0
         self._ddp_global_loss[stage] = loss

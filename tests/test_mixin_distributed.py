@@ -15,6 +15,7 @@ from tests.workers import (
     fail_in_on_stage_end,
     recipe,
     slow_rank,
+    unpicklable_metric_entry,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -100,6 +101,14 @@ def test_failure_on_one_rank_raises_on_all(worker, bad_rank, error, where, tmp_p
     for rank in {0, 1, 2} - {bad_rank}:
         assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
         assert f"rank {bad_rank} failed at '{where}' with {error}" in outcomes[rank]["message"]
+
+
+def test_metric_state_that_cannot_be_sent_fails_on_all_ranks(tmp_path):
+    outcomes = run_ranks(unpicklable_metric_entry, 3, str(tmp_path), 1, timeout=60)
+    assert "pickle" in outcomes[1]["message"], outcomes[1]
+    for rank in (0, 2):
+        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
+        assert "rank 1 failed at 'TEST stage end'" in outcomes[rank]["message"]
 
 
 def test_collective_timeout_names_missing_rank(tmp_path):

@@ -40,6 +40,17 @@ def fail_in_evaluation_loop(rank, world_size, ckpt_dir, bad_rank):
     toy.run_recipe(toy.build(Failing, ckpt_dir))
 
 
+def unpicklable_metric_entry(rank, world_size, ckpt_dir, bad_rank):
+    class Odd(toy.DDPToyBrain):
+        def compute_objectives(self, logits, batch, stage):
+            loss = super().compute_objectives(logits, batch, stage)
+            if stage == sb.Stage.TEST and rank == bad_rank:
+                self.cls.targets[-1] = lambda: None  # cannot travel to the other ranks
+            return loss
+
+    toy.run_recipe(toy.build(Odd, ckpt_dir))
+
+
 def slow_rank(rank, world_size, ckpt_dir, late_rank):
     class Slow(toy.DDPToyBrain):
         def on_stage_start(self, stage, epoch=None):
