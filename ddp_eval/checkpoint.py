@@ -191,11 +191,15 @@ class Checkpointer(sb_ckpt.Checkpointer):
 
         Call it on every rank (no ``if_main_process()`` guard needed).
         """
-        plan = None
+        plan, error = None, None
         if dist.get_rank() == 0:
-            path = self._custom_checkpoint_dirpath(name) if name else self._new_checkpoint_dirpath()
-            plan = (path.name, {"unixtime": time.time(), "end-of-epoch": end_of_epoch, **meta})
-        dirname, full_meta = dist.broadcast_object("checkpoint save: begin", plan)
+            try:
+                path = self._custom_checkpoint_dirpath(name) if name else self._new_checkpoint_dirpath()
+                plan = (path.name, {"unixtime": time.time(), "end-of-epoch": end_of_epoch, **meta})
+            except Exception as exc:  # e.g. an unreadable directory: reported on every rank
+                error = exc
+        dirname, full_meta = dist.exchange(
+            "checkpoint save: begin", plan, error=error, timeout=self.timeout)[0]
         error = None
         if self._is_writer():
             try:

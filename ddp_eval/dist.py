@@ -208,17 +208,6 @@ def exchange(
     return [e.payload for e in envelopes]
 
 
-def broadcast_object(tag: str, obj: Any, src: int = 0) -> Any:
-    """Returns rank ``src``'s small ``obj`` on every rank (bounded wait).
-
-    Example
-    -------
-    >>> broadcast_object("pick", "CKPT+1")
-    'CKPT+1'
-    """
-    return exchange(tag, obj if get_rank() == src else None)[src]
-
-
 @contextmanager
 def fail_together(tag: str) -> Iterator[None]:
     """Reports an exception raised in the block to every other rank.
