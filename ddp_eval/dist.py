@@ -5,15 +5,19 @@ package never asks "am I distributed?" itself.
 
 Two kinds of communication are used:
 
-* **Control exchanges** (:func:`exchange`): small envelopes ``(tag, payload,
-  error)`` posted by every rank to the rendezvous store and read back by all.
-  Every wait is bounded by a timeout; a timeout names the ranks that did not
-  arrive; an envelope carrying an error makes every rank raise at once; ranks
-  that reached different synchronisation points (different tags) raise
-  :class:`OutOfStepError` instead of deadlocking.
-* **Data collectives** (:func:`all_reduce_sum`, :func:`all_gather_object`):
-  issued only right after a successful exchange, so every rank is known to be
-  present and at the same point.
+* **Control exchanges** (:class:`ControlChannel`, :func:`exchange`): small
+  envelopes ``(tag, payload)`` gathered through the rendezvous store. Rank 0
+  coordinates: it alone reads the N envelopes and posts one answer that every
+  other rank reads, so an exchange costs O(N) store requests. Every wait is
+  bounded; a timeout names the ranks that did not arrive; a rank that fails
+  writes its error straight into the answer, so every rank raises at once;
+  ranks at different synchronisation points (different tags) raise
+  :class:`OutOfStepError` instead of deadlocking. Keys belong to one
+  incarnation of the process group, so a job restarted by ``torchrun
+  --max-restarts`` never reads an answer of an earlier attempt.
+* **Data collectives** (:func:`all_reduce_sum`, :func:`all_gather_object`,
+  :func:`broadcast_tensors`): issued only right after a successful exchange,
+  so every rank is known to be present and at the same point.
 
 Example
 -------
@@ -42,9 +46,11 @@ from ddp_eval.errors import (
 )
 
 DEFAULT_TIMEOUT_S = 600.0
+KEY_PREFIX = "ddp_eval"
+# How long a rank that timed out waits for the elected reporter's answer
+# before it names the missing ranks itself.
+REPORT_GRACE_S = 1.5
 _timeout_s = DEFAULT_TIMEOUT_S
-_seq = 0
-_KEY_PREFIX = "ddp_eval"
 
 
 def set_timeout(seconds: float) -> None:
@@ -83,9 +89,10 @@ def get_local_rank() -> int:
 def _inside_single_rank_section() -> bool:
     # SpeechBrain's run_on_main / main_process_only run code on one rank only;
     # a collective there would wait for ranks that never come.
+    # NODE_ONCE_ONLY exists from SpeechBrain 1.1 on (1.0.x has MAIN_PROC_ONLY only).
     from speechbrain.utils import distributed as sb_dist
 
-    return sb_dist.MAIN_PROC_ONLY >= 1 or sb_dist.NODE_ONCE_ONLY >= 1
+    return getattr(sb_dist, "MAIN_PROC_ONLY", 0) >= 1 or getattr(sb_dist, "NODE_ONCE_ONLY", 0) >= 1
 
 
 def _active() -> bool:
@@ -100,30 +107,210 @@ def _active() -> bool:
 class _Envelope:
     tag: str
     payload: Any = None
-    error: Optional[str] = None  # "ExcType: message" of the failing rank
-    error_traceback: Optional[str] = None
 
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _store():
-    # The default store is the rendezvous store of the process group (torchrun's
-    # agent store, a TCPStore or a FileStore); it outlives a crashed peer and
-    # supports bounded waits, unlike a collective.
-    return dist.distributed_c10d._get_default_store()
+class ControlChannel:
+    """Bounded, O(N) control exchanges over a ``torch.distributed`` Store.
+
+    Every rank posts one envelope ``(tag, payload)`` and bumps a counter; the
+    last to arrive sets a ``ready`` key. Only the coordinator (rank 0) waits
+    for it, reads the N envelopes in one request where the store has
+    ``multi_get``, and posts one answer, identical payloads stored once; every
+    other rank reads that answer. A rank that fails writes its error as the
+    answer (``compare_set``: the first answer wins) and sets ``ready``, so
+    every rank, coordinator included, raises at once.
+
+    Arguments
+    ---------
+    store : torch.distributed.Store
+        Any store shared by the ranks (TCPStore, FileStore, HashStore, PrefixStore).
+    rank, world_size : int
+        This rank and the number of ranks.
+    namespace : str
+        Key prefix; it must differ between incarnations of a job that share a
+        store (see :func:`incarnation_namespace`).
+
+    Example
+    -------
+    >>> import torch.distributed as dist
+    >>> channel = ControlChannel(dist.HashStore(), rank=0, world_size=1, namespace="doc")
+    >>> channel.exchange("a tag", payload=7)
+    [7]
+    """
+
+    def __init__(self, store, rank: int, world_size: int, namespace: str = KEY_PREFIX) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+        self.seq = 0
+
+    def _key(self, seq: int, name: str) -> str:
+        return f"{self.namespace}/{seq}/{name}"
+
+    def exchange(
+        self,
+        tag: str,
+        payload: Any = None,
+        error: Optional[BaseException] = None,
+        timeout: Optional[float] = None,
+    ) -> List[Any]:
+        """Gathers one small picklable payload from every rank, bounded in time.
+
+        Arguments
+        ---------
+        tag : str
+            Names the synchronisation point; all ranks must use the same tag.
+        payload : object
+            Small picklable object to share (it travels through the store).
+        error : BaseException, optional
+            A local failure to report. The other ranks raise
+            :class:`RankFailedError` naming this rank; here it is re-raised
+            without waiting.
+        timeout : float, optional
+            Seconds to wait for the other ranks (default: :func:`get_timeout`).
+
+        Returns
+        -------
+        list
+            The payloads of ranks ``0 .. world_size - 1``.
+        """
+        self.seq += 1
+        seq, store = self.seq, self.store
+        timeout = _timeout_s if timeout is None else timeout
+        if error is not None:
+            answer = ("failed", self.rank, tag, _describe(error),
+                      "".join(traceback.format_exception(error)))
+            self._post_answer(seq, answer)
+            raise error
+        store.set(self._key(seq, f"r{self.rank}"), pickle.dumps(_Envelope(tag, payload)))
+        if store.add(self._key(seq, "count"), 1) == self.world_size:
+            store.set(self._key(seq, "ready"), b"1")
+        if self.rank == 0:
+            answer = self._coordinate(seq, tag, timeout)
+        else:
+            answer = self._await_answer(seq, tag, timeout)
+        # The coordinator has read our envelope once the answer exists.
+        store.delete_key(self._key(seq, f"r{self.rank}"))
+        return self._open(answer, seq, tag, timeout)
+
+    def _post_answer(self, seq: int, answer: tuple) -> tuple:
+        """Posts ``answer`` unless one exists; returns the answer that stands."""
+        stored = self.store.compare_set(self._key(seq, "answer"), "", pickle.dumps(answer))
+        if answer[0] != "ok":
+            self.store.set(self._key(seq, "ready"), b"1")  # wake the coordinator
+        return pickle.loads(stored)
+
+    def _wait(self, key: str, seconds: float) -> bool:
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
+            return True
+        except Exception:  # DistStoreError / RuntimeError on timeout
+            return False
+
+    def _coordinate(self, seq: int, tag: str, timeout: float) -> tuple:
+        store, answer_key = self.store, self._key(seq, "answer")
+        if not self._wait(self._key(seq, "ready"), timeout):
+            return self._report_missing(seq, tag, timeout)
+        if store.check([answer_key]):  # an error answer woke us
+            return pickle.loads(store.get(answer_key))
+        keys = [self._key(seq, f"r{r}") for r in range(self.world_size)]
+        blobs = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        unique, index = {}, []
+        for blob in blobs:
+            index.append(unique.setdefault(bytes(blob), len(unique)))
+        answer = self._post_answer(seq, ("ok", list(unique), index))
+        if seq > 1:  # every rank posted this exchange, so all have read the previous answer
+            for name in ("answer", "count", "ready"):
+                store.delete_key(self._key(seq - 1, name))
+        return answer
+
+    def _await_answer(self, seq: int, tag: str, timeout: float) -> tuple:
+        answer_key = self._key(seq, "answer")
+        if not self._wait(answer_key, timeout):
+            # One elected rank names the missing ranks (N requests, not N per rank).
+            elected = self.store.add(self._key(seq, "reporter"), 1) == 1
+            if elected or not self._wait(answer_key, REPORT_GRACE_S):
+                return self._report_missing(seq, tag, timeout)
+        return pickle.loads(self.store.get(answer_key))
+
+    def _report_missing(self, seq: int, tag: str, timeout: float) -> tuple:
+        missing = [r for r in range(self.world_size)
+                   if not self.store.check([self._key(seq, f"r{r}")])]
+        return self._post_answer(seq, ("timeout", missing, tag, self.rank, timeout))
+
+    def _open(self, answer: tuple, seq: int, tag: str, timeout: float) -> List[Any]:
+        kind = answer[0]
+        if kind == "failed":
+            _, failed_rank, failed_tag, description, failed_traceback = answer
+            raise RankFailedError(
+                f"ddp_eval: rank {failed_rank} failed at '{failed_tag}' with "
+                f"{description} (this is rank {self.rank}, at '{tag}'). All ranks "
+                f"stop here. Rank {failed_rank}'s traceback:\n{failed_traceback}"
+            )
+        if kind == "timeout":
+            _, missing, reporter_tag, reporter, waited = answer
+            message = (
+                f"ddp_eval: rank {reporter} waited {waited:g} s at '{reporter_tag}' "
+                f"(sync #{seq}); expected all {self.world_size} ranks, ranks that did "
+                f"not arrive: {missing}. Check their logs; if they are only slow, "
+                "raise the collective timeout (ddp_eval: collective_timeout)."
+            )
+            if self.rank in missing:  # arrived late: told instead of entering a dead collective
+                raise RankFailedError(
+                    f"ddp_eval: this rank ({self.rank}) arrived late at '{tag}'; the "
+                    f"others gave up: CollectiveTimeoutError: {message}"
+                )
+            raise CollectiveTimeoutError(message)
+        _, unique, index = answer
+        envelopes = [pickle.loads(blob) for blob in unique]
+        tags = [envelopes[i].tag for i in index]
+        if len(set(tags)) > 1:
+            raise OutOfStepError(
+                "ddp_eval: ranks reached different synchronisation points "
+                f"(sync #{seq}); expected one tag, got per rank: {tags}. A rank took "
+                "a different branch (e.g. saved a checkpoint only under a "
+                "rank-dependent condition); make the decision on rank 0 and "
+                "broadcast it, or call the method on every rank."
+            )
+        return [envelopes[i].payload for i in index]
 
 
-def _key(seq: int, rank: int) -> str:
-    return f"{_KEY_PREFIX}/{seq}/{rank}"
+def incarnation_namespace(group_generation: int) -> str:
+    """Key prefix of one incarnation of the default process group.
+
+    torchrun's agent store outlives the workers it restarts, so keys carry the
+    run id, the restart count and the world size (from torchrun's environment)
+    and how many default groups this process has created.
+
+    Example
+    -------
+    >>> incarnation_namespace(1).count("/")
+    4
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{KEY_PREFIX}/{run_id}/{restart}/{get_world_size()}/{group_generation}"
 
 
-def _post(envelope: _Envelope) -> int:
-    global _seq
-    _seq += 1
-    _store().set(_key(_seq, get_rank()), pickle.dumps(envelope))
-    return _seq
+_default = {"group": None, "channel": None, "generation": 0}
+
+
+def default_channel() -> ControlChannel:
+    """The channel of the current default process group (a new group, a new channel)."""
+    group = dist.group.WORLD
+    if _default["group"] is not group:
+        _default["generation"] += 1
+        # torch.distributed exposes no public getter of the group's store.
+        store = dist.distributed_c10d._get_default_store()
+        _default.update(group=group, channel=ControlChannel(
+            store, dist.get_rank(), dist.get_world_size(),
+            incarnation_namespace(_default["generation"])))
+    return _default["channel"]
 
 
 def exchange(
@@ -132,24 +319,7 @@ def exchange(
     error: Optional[BaseException] = None,
     timeout: Optional[float] = None,
 ) -> List[Any]:
-    """Gathers one small picklable payload from every rank, bounded in time.
-
-    Arguments
-    ---------
-    tag : str
-        Names the synchronisation point; all ranks must use the same tag.
-    payload : object
-        Small picklable object to share (it travels through the store).
-    error : BaseException, optional
-        A local failure to report. It is posted for the other ranks, which
-        raise :class:`RankFailedError`, and re-raised here without waiting.
-    timeout : float, optional
-        Seconds to wait for the other ranks (default: :func:`get_timeout`).
-
-    Returns
-    -------
-    list
-        The payloads of ranks ``0 .. world_size - 1``.
+    """:meth:`ControlChannel.exchange` on the default group; ``[payload]`` alone.
 
     Example
     -------
@@ -160,52 +330,7 @@ def exchange(
         if error is not None:
             raise error
         return [payload]
-    if error is not None:
-        _post(
-            _Envelope(
-                tag, None, _describe(error), "".join(traceback.format_exception(error))
-            )
-        )
-        raise error
-    seq = _post(_Envelope(tag, payload))
-    store, world = _store(), get_world_size()
-    keys = [_key(seq, r) for r in range(world)]
-    timeout = _timeout_s if timeout is None else timeout
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # DistStoreError / RuntimeError on timeout
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        error = CollectiveTimeoutError(
-            f"ddp_eval: rank {get_rank()} waited {timeout:g} s at '{tag}' "
-            f"(sync #{seq}); expected all {world} ranks, ranks that did not "
-            f"arrive: {missing}. Check their logs; if they are only slow, raise "
-            "the collective timeout (ddp_eval: collective_timeout)."
-        )
-        # A rank arriving late must not take our envelope for a go-ahead.
-        store.set(_key(seq, get_rank()), pickle.dumps(_Envelope(tag, None, _describe(error))))
-        raise error from exc
-    envelopes = [pickle.loads(store.get(k)) for k in keys]
-    if seq > 1:  # every rank has read our previous envelope once all posted this one
-        store.delete_key(_key(seq - 1, get_rank()))
-    failed = [(r, e) for r, e in enumerate(envelopes) if e.error is not None]
-    if failed:
-        first_rank, first = failed[0]
-        raise RankFailedError(
-            f"ddp_eval: rank {first_rank} failed at '{first.tag}' with "
-            f"{first.error} (this is rank {get_rank()}, at '{tag}'). All ranks "
-            f"stop here; failed ranks: {[r for r, _ in failed]}. Rank "
-            f"{first_rank}'s traceback:\n{first.error_traceback}"
-        )
-    tags = [e.tag for e in envelopes]
-    if len(set(tags)) > 1:
-        raise OutOfStepError(
-            "ddp_eval: ranks reached different synchronisation points "
-            f"(sync #{seq}); expected one tag, got per rank: {tags}. A rank took "
-            "a different branch (e.g. saved a checkpoint only under a "
-            "rank-dependent condition); make the decision on rank 0 and "
-            "broadcast it, or call the method on every rank."
-        )
-    return [e.payload for e in envelopes]
+    return default_channel().exchange(tag, payload, error, timeout)
 
 
 @contextmanager
@@ -225,11 +350,10 @@ def fail_together(tag: str) -> Iterator[None]:
         yield
     except BaseException as error:
         if _active() and not isinstance(error, DDPEvalError):
-            _post(
-                _Envelope(
-                    tag, None, _describe(error), "".join(traceback.format_exception(error))
-                )
-            )
+            try:
+                default_channel().exchange(tag, error=error)
+            except BaseException:
+                pass  # the original error is raised below
         raise
 
 
@@ -255,3 +379,46 @@ def all_gather_object(obj: Any) -> List[Any]:
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Overwrites ``tensors`` in place with rank ``src``'s values; no-op alone.
+
+    One broadcast per dtype and device (the tensors are flattened together).
+    """
+    if not _active() or not tensors:
+        return
+    groups = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        device = flat.device
+        flat = flat.to(_device())
+        dist.broadcast(flat, src=src)
+        flat = flat.to(device)
+        offset = 0
+        with torch.no_grad():
+            for tensor in group:
+                tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
+def sync_ddp_buffers(modules: Sequence[torch.nn.Module], tag: str) -> None:
+    """Brings the buffers of DDP-wrapped ``modules`` into step from rank 0.
+
+    Called on every rank at the start of a sharded stage. DDP broadcasts
+    buffers at the first forward after a training step, a collective that a
+    rank without a batch would never join; instead they are broadcast here,
+    once, and DDP's pending per-forward sync is cleared, as DDP itself does
+    after any forward without grad. Rank 0's buffers are the ones its
+    checkpoint holds, so every rank evaluates the checkpointed model.
+    """
+    wrapped = [m for m in modules if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+    buffers = [b for m in wrapped for b in m.module.buffers()]
+    if not _active() or not buffers:
+        return
+    exchange(tag)  # every rank is here before the broadcast
+    broadcast_tensors(buffers, src=0)
+    for module in wrapped:
+        module.require_forward_param_sync = False

@@ -159,6 +159,7 @@ class DDPEvalMixin:
             loader = self._ddp_loaders.get(stage)
             run = _StageRun(stage, stage != sb.Stage.TRAIN and is_sharded(loader))
             if run.sharded:
+                dist.sync_ddp_buffers(list(self.modules.values()), f"{stage.name} stage start")
                 run.global_batch_ids = loader.batch_sampler.global_batch_ids()
                 run.snapshots.append(snapshot(self._ddp_metric_objects()))
             self._ddp_run = run

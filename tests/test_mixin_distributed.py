@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 import speechbrain as sb
 
-from tests import toy
+from tests import toy, workers
 from tests.mp_harness import run_ranks, results
 from tests.workers import (
-    batchnorm_eval,
+    batchnorm_train_then_eval,
     diverging_scheduler,
     fail_in_evaluation_loop,
     fail_in_on_stage_end,
@@ -129,9 +129,33 @@ def test_consistency_check_names_diverging_object_and_rank(tmp_path):
         assert "'scheduler'" in outcome["message"] and "rank 1" in outcome["message"]
 
 
-def test_ddp_wrapped_batchnorm_uneven_shards_do_not_hang(tmp_path):
-    per_rank = results(run_ranks(batchnorm_eval, 3, str(tmp_path), timeout=60))
-    assert all(out["wrapped"] == "DistributedDataParallel" for out in per_rank)
-    seen = sorted(i for out in per_rank for i in out["seen"])
-    assert seen == sorted(toy.make_dataset(7, 1).data_ids)
-    assert repr(per_rank[0]["log"]) == repr(per_rank[2]["log"])
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_batchnorm_trained_under_ddp_then_ranks_without_a_batch(world_size, tmp_path):
+    """DDP broadcasts buffers at the first forward after a training step; a rank
+    without a VALID or TEST batch must not leave the others waiting there. Every
+    rank's numbers equal one process evaluating the checkpointed model."""
+    per_rank = results(run_ranks(batchnorm_train_then_eval, world_size, str(tmp_path), timeout=120))
+    # one process, plain SpeechBrain, loads the checkpoint the DDP run wrote
+    workers.keep_plain_batchnorm()
+    single = toy.build(toy.ToyBrain, tmp_path, batchnorm=True, epochs=1,
+                       checkpointer_cls=sb.utils.checkpoints.Checkpointer)
+    single.checkpointer.recover_if_possible()
+    sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in workers.BN_SETS.items()}
+    single.evaluate(sets["valid"], test_loader_kwargs={"batch_size": 4})
+    single.evaluate(sets["test"], test_loader_kwargs={"batch_size": 2})
+    expected = single.log  # [valid as TEST stage, test]
+    for out in per_rank:
+        assert out["wrapped"] == "DistributedDataParallel"
+        records = [r for r in out["log"] if r["stage"] != "TRAIN"]
+        assert [r["stage"] for r in records] == ["VALID", "TEST"]
+        for got, want in zip(records, expected):
+            assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6), (got["loss"], want["loss"])
+            assert repr(got["metrics"]) == repr(want["metrics"])
+    n_valid = workers.BN_SETS["valid"][0]
+    for stage, want in (("valid", single.seen_ids[:n_valid]), ("test", single.seen_ids[n_valid:])):
+        assert Counter(i for out in per_rank for i in out["seen"][stage]) == Counter(want)
+    idle_valid = [r for r, out in enumerate(per_rank) if not out["seen"]["valid"]]
+    idle_test = [r for r, out in enumerate(per_rank) if not out["seen"]["test"]]
+    # 3 ranks: rank 2 has no VALID batch, then a TEST batch; 5 ranks: idle in both
+    assert idle_valid == list(range(2, world_size))
+    assert idle_test == ([] if world_size == 3 else [4])

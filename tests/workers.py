@@ -73,22 +73,27 @@ def diverging_scheduler(rank, world_size, ckpt_dir):
     toy.run_recipe(brain)
 
 
-def batchnorm_eval(rank, world_size, ckpt_dir):
-    """DDP-wrapped model with BatchNorm buffers, evaluated on uneven shards.
+def keep_plain_batchnorm():
+    """SpeechBrain converts BatchNorm to SyncBatchNorm under DDP, which cannot
+    train on CPU; this keeps plain BatchNorm (buffers DDP broadcasts)."""
+    import torch
 
-    DDP refuses SyncBatchNorm on CPU, so the modules are wrapped as SpeechBrain
-    does but without the SyncBatchNorm conversion: plain BatchNorm buffers,
-    which DDP broadcasts in forward passes that need it.
-    """
+    torch.nn.SyncBatchNorm.convert_sync_batchnorm = staticmethod(lambda module, *a, **k: module)
 
-    class BNBrain(toy.DDPToyBrain):
-        def _wrap_distributed(self):
-            for name, module in self.modules.items():
-                self.modules[name] = DDP(module, broadcast_buffers=True)
 
-    brain = toy.build(BNBrain, ckpt_dir, batchnorm=True, epochs=1)
-    empty = DataLoader([], batch_size=1)  # no training step: SyncBatchNorm cannot train on CPU
-    valid = toy.make_dataset(7, 1)
-    brain.fit(brain.hparams.counter, empty, valid, valid_loader_kwargs={"batch_size": 2})
-    wrapped = type(brain.modules.model).__name__
-    return {"log": brain.log, "wrapped": wrapped, "seen": brain.seen_ids}
+BN_SETS = {"train": (10, 0), "valid": (5, 8), "test": (7, 9)}
+
+
+def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
+    """A BatchNorm model trained under DDP for one epoch (lr > 0, so weights and
+    running statistics change), then VALID (5 items, batch 4: 2 batches) and
+    TEST (7 items, batch 2: 4 batches), so some ranks get no batch."""
+    keep_plain_batchnorm()
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, batchnorm=True, epochs=1, lr=0.5)
+    sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
+    brain.fit(brain.hparams.counter, sets["train"], sets["valid"],
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 4})
+    seen_valid = list(brain.seen_ids)
+    brain.evaluate(sets["test"], min_key="loss", test_loader_kwargs={"batch_size": 2})
+    return {"log": brain.log, "wrapped": type(brain.modules.model).__name__,
+            "seen": {"valid": seen_valid, "test": brain.seen_ids[len(seen_valid):]}}
