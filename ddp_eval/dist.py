@@ -47,10 +47,14 @@ from ddp_eval.errors import (
 
 DEFAULT_TIMEOUT_S = 600.0
 KEY_PREFIX = "ddp_eval"
-# How long a rank that timed out waits for the elected reporter's answer
-# before it names the missing ranks itself.
-REPORT_GRACE_S = 1.5
+# If the coordinator is missing, rank 1 reports it REPORT_GRACE_S after the
+# timeout, rank 2 (if rank 1 is missing too) after twice that, and so on up to
+# _BACKUPS steps: waits of many TCPStore clients that expire together stall
+# some of them for 5-10 s, so in the usual case only one wait ever expires.
+REPORT_GRACE_S = 0.5
+_BACKUPS = 8
 _timeout_s = DEFAULT_TIMEOUT_S
+_DECIDED = 1 << 40  # added to an exchange's arrival count once a failure is decided
 
 
 def set_timeout(seconds: float) -> None:
@@ -183,27 +187,39 @@ class ControlChannel:
         seq, store = self.seq, self.store
         timeout = _timeout_s if timeout is None else timeout
         if error is not None:
-            answer = ("failed", self.rank, tag, _describe(error),
+            failed = ("failed", self.rank, tag, _describe(error),
                       "".join(traceback.format_exception(error)))
-            self._post_answer(seq, answer)
+            self._publish(seq, self._decide(seq, failed))
             raise error
         store.set(self._key(seq, f"r{self.rank}"), pickle.dumps(_Envelope(tag, payload)))
-        if store.add(self._key(seq, "count"), 1) == self.world_size:
+        arrived = store.add(self._key(seq, "count"), 1)
+        if arrived == self.world_size:
             store.set(self._key(seq, "ready"), b"1")
-        if self.rank == 0:
+        if arrived > self.world_size:  # a failure or a timeout was already decided
+            answer = pickle.loads(store.get(self._key(seq, "verdict")))
+        elif self.rank == 0:
             answer = self._coordinate(seq, tag, timeout)
         else:
             answer = self._await_answer(seq, tag, timeout)
-        # The coordinator has read our envelope once the answer exists.
+        # The coordinator has read our envelope once a verdict exists.
         store.delete_key(self._key(seq, f"r{self.rank}"))
         return self._open(answer, seq, tag, timeout)
 
-    def _post_answer(self, seq: int, answer: tuple) -> tuple:
-        """Posts ``answer`` unless one exists; returns the answer that stands."""
-        stored = self.store.compare_set(self._key(seq, "answer"), "", pickle.dumps(answer))
-        if answer[0] != "ok":
-            self.store.set(self._key(seq, "ready"), b"1")  # wake the coordinator
-        return pickle.loads(stored)
+    # Keys of exchange ``seq``: ``r<rank>`` envelopes, ``count`` arrivals,
+    # ``ready`` (all arrived, or a verdict to read), ``verdict`` (decided once,
+    # by compare_set: every rank acts on the same one) and ``answer``, the copy
+    # that waiting ranks watch.
+
+    def _decide(self, seq: int, verdict: tuple) -> tuple:
+        """Proposes ``verdict``; returns the one that stands (the first proposed)."""
+        return pickle.loads(self.store.compare_set(self._key(seq, "verdict"), "", pickle.dumps(verdict)))
+
+    def _publish(self, seq: int, verdict: tuple) -> None:
+        store = self.store
+        if verdict[0] != "ok":
+            store.add(self._key(seq, "count"), _DECIDED)  # late arrivals read the verdict
+            store.set(self._key(seq, "ready"), b"1")  # wakes the coordinator
+        store.set(self._key(seq, "answer"), pickle.dumps(verdict))
 
     def _wait(self, key: str, seconds: float) -> bool:
         try:
@@ -213,35 +229,42 @@ class ControlChannel:
             return False
 
     def _coordinate(self, seq: int, tag: str, timeout: float) -> tuple:
-        store, answer_key = self.store, self._key(seq, "answer")
+        store = self.store
         if not self._wait(self._key(seq, "ready"), timeout):
-            return self._report_missing(seq, tag, timeout)
-        if store.check([answer_key]):  # an error answer woke us
-            return pickle.loads(store.get(answer_key))
-        keys = [self._key(seq, f"r{r}") for r in range(self.world_size)]
-        blobs = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
-        unique, index = {}, []
-        for blob in blobs:
-            index.append(unique.setdefault(bytes(blob), len(unique)))
-        answer = self._post_answer(seq, ("ok", list(unique), index))
-        if seq > 1:  # every rank posted this exchange, so all have read the previous answer
-            for name in ("answer", "count", "ready"):
+            verdict = self._decide(seq, self._missing(seq, tag, timeout))
+        elif store.check([self._key(seq, "verdict")]):  # a failure woke us
+            verdict = pickle.loads(store.get(self._key(seq, "verdict")))
+        else:
+            keys = [self._key(seq, f"r{r}") for r in range(self.world_size)]
+            blobs = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+            unique, index = {}, []
+            for blob in blobs:
+                index.append(unique.setdefault(bytes(blob), len(unique)))
+            verdict = self._decide(seq, ("ok", list(unique), index))
+        self._publish(seq, verdict)
+        if seq > 1:  # every rank posted this exchange, so all have read the previous one
+            for name in ("verdict", "answer", "count", "ready"):
                 store.delete_key(self._key(seq - 1, name))
-        return answer
+        return verdict
 
     def _await_answer(self, seq: int, tag: str, timeout: float) -> tuple:
         answer_key = self._key(seq, "answer")
-        if not self._wait(answer_key, timeout):
-            # One elected rank names the missing ranks (N requests, not N per rank).
-            elected = self.store.add(self._key(seq, "reporter"), 1) == 1
-            if elected or not self._wait(answer_key, REPORT_GRACE_S):
-                return self._report_missing(seq, tag, timeout)
-        return pickle.loads(self.store.get(answer_key))
+        patience = timeout + REPORT_GRACE_S * min(self.rank, _BACKUPS)
+        if self._wait(answer_key, patience):
+            return pickle.loads(self.store.get(answer_key))
+        # The coordinator (and lower backups) are missing. One elected rank names
+        # the missing ranks (N requests, not N per rank).
+        elected = self.store.add(self._key(seq, "reporter"), 1) == 1
+        if not elected and self._wait(answer_key, REPORT_GRACE_S):
+            return pickle.loads(self.store.get(answer_key))
+        verdict = self._decide(seq, self._missing(seq, tag, timeout))
+        self._publish(seq, verdict)
+        return verdict
 
-    def _report_missing(self, seq: int, tag: str, timeout: float) -> tuple:
+    def _missing(self, seq: int, tag: str, timeout: float) -> tuple:
         missing = [r for r in range(self.world_size)
                    if not self.store.check([self._key(seq, f"r{r}")])]
-        return self._post_answer(seq, ("timeout", missing, tag, self.rank, timeout))
+        return ("timeout", missing, tag, self.rank, timeout)
 
     def _open(self, answer: tuple, seq: int, tag: str, timeout: float) -> List[Any]:
         kind = answer[0]
