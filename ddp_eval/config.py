@@ -8,7 +8,7 @@ Example
 >>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
 Traceback (most recent call last):
 ...
-ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: check_consistency, collective_timeout, metrics_exclude, metrics_include, shard_test, shard_valid
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, shard_test, shard_valid, stream_split
 """
 
 from dataclasses import dataclass, field, fields
@@ -41,6 +41,21 @@ class DDPEvalConfig:
     collective_timeout : float
         Seconds any ddp_eval wait may block before it raises, naming the
         ranks that did not arrive (default 600).
+    attributes_include : list of str, optional
+        Plain Brain attributes (lists, dicts, counters, accumulators) to merge
+        after a sharded stage; default: every attribute that changed.
+    attributes_exclude : list of str
+        Brain attributes never merged (they stay rank-local, without warning).
+    on_unmergeable_attribute : str
+        What to do when an attribute changed during a sharded stage in a way
+        that cannot be merged (e.g. replaced by a new object): ``"warn"``
+        (default: log a warning naming it) or ``"error"``.
+    stream_split : str
+        How an ``IterableDataset`` VALID/TEST set is split: ``"batches"``
+        (default: every rank reads the whole stream and evaluates its share of
+        the batches; exact) or ``"by_dataset"`` (the dataset already yields a
+        different part on each rank, e.g. ``wds.split_by_node``; faster, but
+        batches differ from one process, see the README).
     """
 
     shard_valid: bool = True
@@ -49,6 +64,10 @@ class DDPEvalConfig:
     metrics_exclude: List[str] = field(default_factory=list)
     check_consistency: bool = False
     collective_timeout: float = 600.0
+    attributes_include: Optional[List[str]] = None
+    attributes_exclude: List[str] = field(default_factory=list)
+    on_unmergeable_attribute: str = "warn"
+    stream_split: str = "batches"
 
     @classmethod
     def from_hparams(cls, hparams: Optional[Mapping[str, Any]]) -> "DDPEvalConfig":
@@ -73,15 +92,17 @@ class DDPEvalConfig:
     def _validate(self) -> None:
         for name in ("shard_valid", "shard_test", "check_consistency"):
             _expect(name, getattr(self, name), isinstance(getattr(self, name), bool), "true or false")
-        for name in ("metrics_include", "metrics_exclude"):
+        for name in ("metrics_include", "metrics_exclude", "attributes_include", "attributes_exclude"):
             value = getattr(self, name)
-            ok = (value is None and name == "metrics_include") or (
+            ok = (value is None and name.endswith("_include")) or (
                 isinstance(value, list) and all(isinstance(v, str) for v in value)
             )
             _expect(name, value, ok, "a list of Brain attribute names")
         timeout = self.collective_timeout
         ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
         _expect("collective_timeout", timeout, ok, "a number of seconds > 0")
+        check_choice("on_unmergeable_attribute", self.on_unmergeable_attribute, ("warn", "error"))
+        check_choice("stream_split", self.stream_split, ("batches", "by_dataset"))
 
 
 def _expect(name: str, value: Any, ok: bool, allowed: str) -> None:

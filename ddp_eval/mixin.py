@@ -8,14 +8,20 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch.utils.data import IterableDataset
 
 import speechbrain as sb
 
 from ddp_eval import dist
+from ddp_eval.attributes import (
+    apply_attributes,
+    attribute_kinds,
+    local_attribute_state,
+    merge_attribute_states,
+    snapshot_attributes,
+)
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.consistency import check_states_agree, state_summaries
-from ddp_eval.errors import DDPEvalError
+from ddp_eval.errors import ConfigError, DDPEvalError
 from ddp_eval.metrics import (
     apply_merged,
     check_same_objects,
@@ -25,7 +31,7 @@ from ddp_eval.metrics import (
     merge_metric_stats,
     snapshot,
 )
-from ddp_eval.sharding import is_sharded, shard_dataloader
+from ddp_eval.sharding import global_batch_ids, is_sharded, shard_dataloader
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +53,9 @@ class _StageRun:
 
     stage: Any
     sharded: bool
-    global_batch_ids: List[int] = field(default_factory=list)
-    snapshots: list = field(default_factory=list)
+    loader: Any = None
+    snapshots: list = field(default_factory=list)  # metric objects
+    attribute_snapshots: list = field(default_factory=list)  # plain Brain attributes
     loss_sum: float = 0.0
     loss_count: int = 0
 
@@ -89,6 +96,9 @@ class DDPEvalMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # What sb.Brain set up is SpeechBrain's business (step, optimizer, ...):
+        # never merged as a recipe attribute.
+        self._ddp_brain_attributes = frozenset(vars(self))
         hparams = vars(self.hparams) if hasattr(self, "hparams") else None
         self.ddp_eval_config = DDPEvalConfig.from_hparams(hparams)
         dist.set_timeout(self.ddp_eval_config.collective_timeout)
@@ -107,13 +117,7 @@ class DDPEvalMixin:
         """Why: SpeechBrain shards only TRAIN; this also shards VALID and TEST."""
         loader = super().make_dataloader(dataset, stage, ckpt_prefix, **loader_kwargs)
         if self._ddp_should_shard(stage):
-            if isinstance(dataset, IterableDataset):
-                logger.warning(
-                    "ddp_eval: %s set is an IterableDataset and is not sharded; "
-                    "every rank evaluates all of it.", stage.name
-                )
-            else:
-                loader = shard_dataloader(loader)
+            loader = shard_dataloader(loader, self.ddp_eval_config.stream_split)
         self._ddp_loaders[stage] = loader
         return loader
 
@@ -140,6 +144,7 @@ class DDPEvalMixin:
                 run.loss_sum += float(loss)
                 run.loss_count += 1
             run.snapshots.append(snapshot(self._ddp_metric_objects()))
+            run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names()))
         return super().update_average(loss, avg_loss)
 
     # -- internals ---------------------------------------------------------
@@ -153,15 +158,25 @@ class DDPEvalMixin:
         cfg = self.ddp_eval_config
         return find_metric_objects(self, cfg.metrics_include, cfg.metrics_exclude)
 
+    def _ddp_attribute_names(self) -> List[str]:
+        """Plain attributes of the recipe's Brain that may be merged."""
+        cfg = self.ddp_eval_config
+        metric_holders = {path.split("[")[0] for path in self._ddp_metric_objects()}
+        names = set(vars(self)) - self._ddp_brain_attributes - metric_holders - set(cfg.attributes_exclude)
+        names -= {"on_stage_start", "on_stage_end", "ddp_eval_config"}  # the mixin's own
+        if cfg.attributes_include is not None:
+            names &= set(cfg.attributes_include)
+        return sorted(n for n in names if not n.startswith("_ddp"))
+
     def _ddp_wrap_stage_start(self, user_on_stage_start):
         def on_stage_start(stage, epoch=None):
             user_on_stage_start(stage, epoch)
             loader = self._ddp_loaders.get(stage)
-            run = _StageRun(stage, stage != sb.Stage.TRAIN and is_sharded(loader))
+            run = _StageRun(stage, stage != sb.Stage.TRAIN and is_sharded(loader), loader)
             if run.sharded:
                 dist.sync_ddp_buffers(list(self.modules.values()), f"{stage.name} stage start")
-                run.global_batch_ids = loader.batch_sampler.global_batch_ids()
                 run.snapshots.append(snapshot(self._ddp_metric_objects()))
+                run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names()))
             self._ddp_run = run
 
         on_stage_start.__doc__ = user_on_stage_start.__doc__
@@ -204,18 +219,50 @@ class DDPEvalMixin:
             return stage_loss  # every rank evaluated everything itself
         # Everything that can fail on one rank happens before the exchange, so a
         # failure is reported there instead of leaving the others in a collective.
-        error, objects, packed = None, {}, None
+        error, objects, packed, kinds, unmergeable = None, {}, None, {}, {}
         try:
             objects = self._ddp_metric_objects()
-            packed = pickle.dumps(local_state(objects, run.snapshots, run.global_batch_ids))
+            batch_ids = global_batch_ids(run.loader)
+            kinds, unmergeable = attribute_kinds(
+                self, self._ddp_attribute_names(), run.attribute_snapshots)
+            packed = pickle.dumps((
+                local_state(objects, run.snapshots, batch_ids),
+                local_attribute_state(self, kinds, run.attribute_snapshots, batch_ids)))
         except Exception as exc:
             error = exc
-        per_rank = dist.exchange(f"{stage.name} stage end", describe_objects(objects), error=error)
-        check_same_objects(per_rank, stage.name)
+        per_rank = dist.exchange(f"{stage.name} stage end",
+                                 (describe_objects(objects), unmergeable), error=error)
+        check_same_objects([p[0] for p in per_rank], stage.name)
+        self._ddp_report_unmergeable(stage, [p[1] for p in per_rank])
         total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
         with _gc_paused():  # unpickling many small objects triggers costly full GCs
             states = [pickle.loads(blob) for blob in dist.all_gather_object(packed)]
-            apply_merged(objects, run.snapshots[0], merge_metric_stats(states))
+            apply_merged(objects, run.snapshots[0], merge_metric_stats([m for m, _ in states]))
+            apply_attributes(self, run.attribute_snapshots[0],
+                             merge_attribute_states([a for _, a in states]))
         loss = total / count if count else 0.0
         self._ddp_global_loss[stage] = loss
         return loss
+
+    def _ddp_report_unmergeable(self, stage, per_rank: List[Dict[str, str]]) -> None:
+        """Warns (rank 0) or raises (every rank) about attributes left rank-local."""
+        found: Dict[str, str] = {}
+        for rank, unmergeable in enumerate(per_rank):
+            for name, why in unmergeable.items():
+                found.setdefault(name, f"{why} (first seen on rank {rank})")
+        if not found:
+            return
+        detail = "; ".join(f"'{name}': {why}" for name, why in sorted(found.items()))
+        message = (
+            f"ddp_eval: at the end of the sharded {stage.name} stage, Brain attributes "
+            f"changed in a way that cannot be merged across ranks, so each rank holds only "
+            f"its own batches' values: {detail}. Expected lists that only grow, dicts that "
+            "only gain keys, numbers or fixed-shape tensors that accumulate. Compute the "
+            "value in on_stage_end from merged state, or list the attribute in "
+            "ddp_eval: attributes_exclude (silences this), or set shard_"
+            f"{stage.name.lower()}: false."
+        )
+        if self.ddp_eval_config.on_unmergeable_attribute == "error":
+            raise ConfigError(message)
+        if dist.get_rank() == 0:
+            logger.warning(message)

@@ -86,17 +86,74 @@ class ShardedBatchSampler(Sampler):
             self.batch_sampler.set_epoch(epoch)
 
 
+class ShardedStreamLoader(DataLoader):
+    """A DataLoader over an ``IterableDataset`` that yields this rank's batches.
+
+    With ``split="batches"`` every rank iterates the whole stream, so it builds
+    the batches one process would, and keeps its share, dealt as for map-style
+    sets: exact, but every rank reads and decodes everything. With
+    ``split="by_dataset"`` the dataset already yields a different part on each
+    rank (e.g. ``wds.split_by_node``) and every batch is kept. Either way the
+    position of each yielded batch is recorded for the merge.
+    """
+
+    def __init__(self, loader: DataLoader, split: str = "batches",
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                         **_worker_options(loader))
+        self.split = split
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self._yielded: List[int] = []
+
+    def __iter__(self):
+        self._yielded = yielded = []
+        for index, batch in enumerate(super().__iter__()):
+            if self.split == "by_dataset" or batch_owner(index, self.world_size) == self.rank:
+                yielded.append(index)
+                yield batch
+
+    def __len__(self) -> int:
+        raise TypeError("a sharded stream has no length before it is read")
+
+    def global_batch_ids(self) -> List[int]:
+        """Position of each batch yielded by the latest iteration, in yield order."""
+        return list(self._yielded)
+
+
 def is_sharded(loader) -> bool:
-    """Whether ``loader`` is a DataLoader sharded by :func:`shard_dataloader`."""
-    return isinstance(getattr(loader, "batch_sampler", None), ShardedBatchSampler)
+    """Whether ``loader`` was sharded by :func:`shard_dataloader`."""
+    return isinstance(loader, ShardedStreamLoader) or isinstance(
+        getattr(loader, "batch_sampler", None), ShardedBatchSampler)
 
 
-def shard_dataloader(loader: DataLoader) -> DataLoader:
+def global_batch_ids(loader) -> List[int]:
+    """Global position of each batch a sharded ``loader`` yielded (streams) or yields."""
+    if isinstance(loader, ShardedStreamLoader):
+        return loader.global_batch_ids()
+    return loader.batch_sampler.global_batch_ids()
+
+
+def _worker_options(loader: DataLoader) -> dict:
+    options = dict(collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                   pin_memory=loader.pin_memory, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn,
+                   multiprocessing_context=loader.multiprocessing_context,
+                   generator=loader.generator)
+    if loader.num_workers > 0:
+        options.update(prefetch_factor=loader.prefetch_factor,
+                       persistent_workers=loader.persistent_workers)
+    return options
+
+
+def shard_dataloader(loader: DataLoader, split: str = "batches") -> DataLoader:
     """Returns a copy of ``loader`` that yields only this rank's batches.
 
     Use it to shard a ready DataLoader that you pass to ``fit(valid_set=...)``
     or ``evaluate(...)`` yourself (those are left alone otherwise). A loader
-    that cannot be sharded consistently raises :class:`ConfigError`.
+    over an ``IterableDataset`` becomes a :class:`ShardedStreamLoader` (``split``
+    as there). A loader that cannot be sharded consistently raises
+    :class:`ConfigError`.
 
     Example
     -------
@@ -106,14 +163,8 @@ def shard_dataloader(loader: DataLoader) -> DataLoader:
     """
     if is_sharded(loader):
         return loader
-    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        raise ConfigError(
-            "ddp_eval: cannot shard a DataLoader without a batch sampler "
-            f"(dataset {type(loader.dataset).__name__}, batch_size="
-            f"{loader.batch_size}); expected a map-style dataset with "
-            "batch_size or batch_sampler. Shard an IterableDataset yourself and "
-            "set shard_valid/shard_test: false."
-        )
+    if isinstance(loader.dataset, IterableDataset):
+        return ShardedStreamLoader(loader, split)
     sampler = getattr(loader.batch_sampler, "sampler", None)
     if isinstance(sampler, RandomSampler) and sampler.generator is None:
         raise ConfigError(
@@ -122,21 +173,11 @@ def shard_dataloader(loader: DataLoader) -> DataLoader:
             "never. Expected shuffle=False for VALID/TEST; remove it from the "
             "loader options (evaluation results do not depend on order)."
         )
-    extra = {}
-    if loader.num_workers > 0:
-        extra = dict(
-            prefetch_factor=loader.prefetch_factor,
-            persistent_workers=loader.persistent_workers,
+    if loader.batch_sampler is None:
+        raise ConfigError(
+            "ddp_eval: cannot shard a DataLoader without a batch sampler "
+            f"(batch_size={loader.batch_size}); expected batch_size or "
+            "batch_sampler, or set shard_valid/shard_test: false."
         )
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=ShardedBatchSampler(loader.batch_sampler),
-        collate_fn=loader.collate_fn,
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        **extra,
-    )
+    return DataLoader(loader.dataset, batch_sampler=ShardedBatchSampler(loader.batch_sampler),
+                      **_worker_options(loader))

@@ -152,7 +152,7 @@ def test_batchnorm_trained_under_ddp_then_ranks_without_a_batch(world_size, tmp_
             assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6), (got["loss"], want["loss"])
             assert repr(got["metrics"]) == repr(want["metrics"])
     n_valid = workers.BN_SETS["valid"][0]
-    for stage, want in (("valid", single.seen_ids[:n_valid]), ("test", single.seen_ids[n_valid:])):
+    for stage, want in (("valid", single.seen.ids[:n_valid]), ("test", single.seen.ids[n_valid:])):
         assert Counter(i for out in per_rank for i in out["seen"][stage]) == Counter(want)
     idle_valid = [r for r, out in enumerate(per_rank) if not out["seen"]["valid"]]
     idle_test = [r for r, out in enumerate(per_rank) if not out["seen"]["test"]]

@@ -4,6 +4,7 @@ Everything is deterministic, so one process and N processes can be compared.
 """
 
 import io
+import types
 import os
 
 import torch
@@ -122,7 +123,7 @@ class ToyBrain(sb.Brain):
         labels = batch.label.data[:, 0]
         loss = torch.nn.functional.cross_entropy(logits, labels)
         if stage != sb.Stage.TRAIN:
-            self.seen_ids.extend(batch.id)
+            self.seen.ids.extend(batch.id)
             logp = logits.log_softmax(-1)
             preds = logp.argmax(-1)
             self.err.append(batch.id, logp, labels)
@@ -174,7 +175,7 @@ def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, d
                       hparams=hparams, run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo"},
                       checkpointer=checkpointer)
     brain.log = []
-    brain.seen_ids = []
+    brain.seen = types.SimpleNamespace(ids=[])  # a holder, not a list: never merged
     return brain
 
 
@@ -187,9 +188,9 @@ def run_recipe(brain, n_train=10, n_valid=23, n_test=23, n_tiny=2):
     seen = {}
 
     def run(name, call):
-        start = len(brain.seen_ids)
+        start = len(brain.seen.ids)
         result = call()
-        seen[name] = brain.seen_ids[start:]
+        seen[name] = brain.seen.ids[start:]
         return result
 
     run("fit", lambda: brain.fit(brain.hparams.counter, train, valid,
@@ -206,3 +207,61 @@ def run_recipe(brain, n_train=10, n_valid=23, n_test=23, n_tiny=2):
     return {"log": brain.log, "test_loss": test_loss, "tiny_loss": tiny_loss,
             "ready_loss": ready_loss, "ready_sharded_loss": sharded_loss,
             "seen": seen, "probe_loaded": brain.hparams.probe.loaded}
+
+
+class AccumulatingBrain(ToyBrain):
+    """Accumulates as SpeechBrain recipes do: plain lists, counters, a dict and
+    accumulators on the Brain, reduced in on_stage_end (sum/len of a list)."""
+
+    def compute_objectives(self, logits, batch, stage):
+        labels = batch.label.data[:, 0]
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if stage != sb.Stage.TRAIN:
+            self.seen.ids.extend(batch.id)
+            preds = logits.argmax(-1)
+            self.acc_metric.append((preds == labels).float().mean())  # as the wav2vec2 recipes
+            self.n_correct += int((preds == labels).sum())
+            self.n_seen += len(batch.id)
+            for utt, pred in zip(batch.id, preds):
+                self.predictions[utt] = int(pred)
+            self.loss_total += float(loss)
+            self.confusion += torch.nn.functional.one_hot(labels * CLASSES + preds, CLASSES ** 2).sum(0)
+        return loss
+
+    def on_stage_start(self, stage, epoch=None):
+        if stage != sb.Stage.TRAIN:
+            self.acc_metric, self.predictions = [], {}
+            self.n_correct, self.n_seen, self.loss_total = 0, 0, 0.0
+            self.confusion = torch.zeros(CLASSES ** 2, dtype=torch.long)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        if stage != sb.Stage.TRAIN:
+            self.log.append({
+                "stage": stage.name, "loss": stage_loss,
+                "valid_acc": float(sum(self.acc_metric) / len(self.acc_metric)),
+                "acc_metric": [float(a) for a in self.acc_metric],
+                "counters": (self.n_correct, self.n_seen),
+                "predictions": list(self.predictions.items()),
+                "loss_total": self.loss_total, "confusion": self.confusion.tolist()})
+
+
+class UtteranceStream(torch.utils.data.IterableDataset):
+    """A streaming view of a DynamicItemDataset (every rank reads all of it)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return (self.dataset[i] for i in range(len(self.dataset)))
+
+
+def run_accumulating(brain, stream=False):
+    """fit with VALID = 29 items at batch 3 (10 batches), then evaluate 4 items."""
+    valid = make_dataset(29, 1)
+    kwargs = {"batch_size": 3}
+    if stream:
+        valid, kwargs = UtteranceStream(valid), {"batch_size": 3, "collate_fn": PaddedBatch}
+    brain.fit(brain.hparams.counter, make_dataset(8, 0), valid,
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs=kwargs)
+    brain.evaluate(make_dataset(4, 3, "tst"), test_loader_kwargs={"batch_size": 3})
+    return {"log": brain.log, "seen": brain.seen.ids}

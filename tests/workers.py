@@ -4,6 +4,8 @@ import os
 import time
 
 import speechbrain as sb
+
+import ddp_eval
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -93,7 +95,33 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
     sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
     brain.fit(brain.hparams.counter, sets["train"], sets["valid"],
               train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 4})
-    seen_valid = list(brain.seen_ids)
+    seen_valid = list(brain.seen.ids)
     brain.evaluate(sets["test"], min_key="loss", test_loader_kwargs={"batch_size": 2})
     return {"log": brain.log, "wrapped": type(brain.modules.model).__name__,
-            "seen": {"valid": seen_valid, "test": brain.seen_ids[len(seen_valid):]}}
+            "seen": {"valid": seen_valid, "test": brain.seen.ids[len(seen_valid):]}}
+
+
+def accumulating_recipe(rank, world_size, ckpt_dir, stream, ddp_eval_opts=None):
+    class Converted(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
+        pass
+
+    brain = toy.build(Converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
+    return toy.run_accumulating(brain, stream)
+
+
+def reassigned_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
+    """A Brain that replaces an attribute every batch (kept rank-local, reported)."""
+    import logging
+
+    class LastBatch(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
+        def compute_objectives(self, logits, batch, stage):
+            self.last_ids = list(batch.id)
+            return super().compute_objectives(logits, batch, stage)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    brain = toy.build(LastBatch, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
+    toy.run_accumulating(brain)
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]

@@ -1,0 +1,64 @@
+"""Plain Brain attributes and streaming eval sets, merged exactly (real gloo groups)."""
+
+import math
+from collections import Counter
+
+import pytest
+import speechbrain as sb
+
+from tests import toy
+from tests.mp_harness import results, run_ranks
+from tests.workers import accumulating_recipe, reassigned_attribute
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The same recipe, plain SpeechBrain, one process."""
+    return toy.run_accumulating(toy.build(toy.AccumulatingBrain, tmp_path_factory.mktemp("plain"),
+                                          epochs=1, checkpointer_cls=sb.utils.checkpoints.Checkpointer))
+
+
+@pytest.mark.parametrize("world_size,stream", [(1, False), (2, False), (3, False), (2, True), (3, True)],
+                         ids=["1", "2", "3", "2-stream", "3-stream"])
+def test_lists_counters_dicts_and_accumulators_equal_one_process(world_size, stream, single_process,
+                                                                   tmp_path):
+    per_rank = results(run_ranks(accumulating_recipe, world_size, str(tmp_path), stream, timeout=120))
+    want = single_process["log"]
+    for out in per_rank:
+        assert [r["stage"] for r in out["log"]] == ["VALID", "TEST"]
+        for got, exp in zip(out["log"], want):
+            # lists in single-process order, exact counters, dict in insertion order
+            for key in ("acc_metric", "valid_acc", "counters", "predictions", "confusion"):
+                assert got[key] == exp[key], key
+            # float accumulator: per-batch increments in global order (README bound)
+            assert math.isclose(got["loss_total"], exp["loss_total"], rel_tol=1e-12)
+            assert math.isclose(got["loss"], exp["loss"], rel_tol=1e-9)
+    # each utterance evaluated once in the whole job, and some rank had no TEST batch
+    assert Counter(i for out in per_rank for i in out["seen"]) == Counter(single_process["seen"])
+    if world_size == 3:  # 4 TEST items at batch 3: 2 batches, none for rank 2
+        assert not [i for i in per_rank[2]["seen"] if i.startswith("tst")]
+
+
+def test_replaced_attribute_is_named_in_a_warning(tmp_path):
+    per_rank = results(run_ranks(reassigned_attribute, 2, str(tmp_path), None, timeout=120))
+    warnings = per_rank[0]
+    assert len(warnings) == 2  # VALID and TEST, on rank 0 only
+    assert "'last_ids': a new list was assigned during the stage" in warnings[0]
+    assert "attributes_exclude" in warnings[0]
+    assert per_rank[1] == []
+
+
+def test_replaced_attribute_can_be_an_error_on_every_rank(tmp_path):
+    outcomes = run_ranks(reassigned_attribute, 3, str(tmp_path),
+                         {"on_unmergeable_attribute": "error"}, timeout=120)
+    for outcome in outcomes:
+        assert outcome.get("error") == "ConfigError", outcome
+        assert "'last_ids'" in outcome["message"]
+
+
+def test_excluded_attribute_stays_rank_local_without_warning(tmp_path):
+    per_rank = results(run_ranks(reassigned_attribute, 2, str(tmp_path),
+                                 {"attributes_exclude": ["last_ids"]}, timeout=120))
+    assert per_rank == [[], []]
