@@ -7,5 +7,5 @@ setup(
     packages=find_packages(include=["ddp_eval", "ddp_eval.*"]),
     python_requires=">=3.9",
     install_requires=["speechbrain>=1.0", "torch>=2.1", "torchaudio", "hyperpyyaml", "pyyaml", "soundfile"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "webdataset"], "bench": ["matplotlib"]},
 )

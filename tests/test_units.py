@@ -142,3 +142,81 @@ def test_multimetric_on_a_rank_with_no_batches_gets_every_key():
     single, ranks = _simulate_ranks(make, append, 1, 2)  # rank 1 evaluates nothing
     for objs in ranks:
         assert objs["multi"].summarize() == single["multi"].summarize()
+
+
+# -- plain Brain attributes: hand-made per-rank states ------------------------
+
+INF = float("inf")
+
+
+def test_attribute_merge_puts_lists_and_dicts_in_global_batch_order():
+    from ddp_eval.attributes import merge_attribute_states
+
+    # 4 batches dealt 0, 1, 1, 0; rank 1 appended nothing in batch 2
+    rank0 = {"acc": ("append", ([0, 3, INF], [1, 2, 0], ["a", "d1", "d2"])),
+             "pred": ("keys", ([0, 3, INF], [1, 1, 0], [("u0", 1), ("u3", 0)]))}
+    rank1 = {"acc": ("append", ([1, 2, INF], [1, 0, 0], ["b"])),
+             "pred": ("keys", ([1, 2, INF], [1, 1, 0], [("u1", 2), ("u2", 2)]))}
+    merged = merge_attribute_states([rank0, rank1])
+    assert merged["acc"] == ("append", ["a", "b", "d1", "d2"])
+    assert merged["pred"] == ("keys", [("u0", 1), ("u1", 2), ("u2", 2), ("u3", 0)])
+
+
+def test_attribute_merge_sums_counters_and_orders_float_increments():
+    from ddp_eval.attributes import merge_attribute_states
+
+    rank0 = {"n": ("sum", ([0, INF], [3, 0])), "total": ("accumulate", ([0, 2, INF], [0.1, 0.3, 0.0]))}
+    rank1 = {"n": ("sum", ([1, INF], [2, 0])), "total": ("accumulate", ([1, INF], [0.2, 0.0]))}
+    rank2 = {}  # a rank without a batch changed nothing
+    merged = merge_attribute_states([rank0, rank1, rank2])
+    assert merged["n"] == ("sum", 5)
+    assert merged["total"] == ("accumulate", [0.1, 0.2, 0.3, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("states,match", [
+    ([{"d": ("keys", ([0, INF], [1, 0], [("u1", 1)]))},
+      {"d": ("keys", ([1, INF], [1, 0], [("u1", 2)]))}], "key 'u1' was added to Brain attribute 'd'"),
+    ([{"x": ("sum", ([0, INF], [1, 0]))},
+      {"x": ("accumulate", ([1, INF], [0.5, 0.0]))}], "'x' changed as 'sum' on one rank and as 'accumulate'"),
+])
+def test_attribute_merge_refuses_what_one_process_could_not_hold(states, match):
+    from ddp_eval.attributes import merge_attribute_states
+
+    with pytest.raises(ddp_eval.ConfigError, match=match):
+        merge_attribute_states(states)
+
+
+def test_attribute_kinds_and_local_state_follow_each_batch():
+    from ddp_eval.attributes import (apply_attributes, attribute_kinds, local_attribute_state,
+                                     snapshot_attributes)
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.items, h.count, h.flag, h.replaced, h.vec = [], 0, False, [], torch.zeros(2)
+    names = lambda: [n for n in vars(h)]  # noqa: E731
+    snaps = [snapshot_attributes(h, names())]
+    for batch in range(3):
+        h.items.append(batch)
+        h.count += 2
+        h.vec += 1.0
+        h.replaced = [batch]
+        if batch == 1:
+            h.late = 10  # created during the stage
+        snaps.append(snapshot_attributes(h, names()))
+    h.flag = True
+    kinds, unmergeable = attribute_kinds(h, names(), snaps)
+    assert kinds == {"count": "sum", "items": "append", "late": "sum", "vec": "accumulate"}
+    assert set(unmergeable) == {"flag", "replaced"}
+    state = local_attribute_state(h, kinds, snaps, [0, 3, 6])
+    assert state["items"] == ("append", ([0, 3, 6, INF], [1, 1, 1, 0], [0, 1, 2]))
+    assert state["late"] == ("sum", ([0, 3, 6, INF], [0, 10, 0, 0]))
+    # applying a merge on a rank that had nothing keeps its start and adds the rest
+    other = Holder()
+    other.items, other.count, other.vec = ["kept"], 0, torch.zeros(2)
+    start = snapshot_attributes(other, ["items", "count", "vec"])
+    apply_attributes(other, start, {"items": ("append", [0, 1]), "count": ("sum", 4),
+                                    "late": ("sum", 10), "vec": ("accumulate", [torch.ones(2)] * 3)})
+    assert other.items == ["kept", 0, 1] and other.count == 4 and other.late == 10
+    assert other.vec.tolist() == [3.0, 3.0]
