@@ -14,7 +14,7 @@ def no_leaked_process_group_or_env():
     """Fails a test that leaves a process group, torchrun variables, child
     processes or harness work directories behind."""
     before = {k: os.environ.get(k) for k in _RANK_VARS}
-    pattern = os.path.join(tempfile.gettempdir(), "ddp_eval_mp_*")
+    pattern = os.path.join(tempfile.gettempdir(), f"ddp_eval_mp_{os.getpid()}_*")  # this session only
     workdirs = set(glob.glob(pattern))
     yield
     children = multiprocessing.active_children()

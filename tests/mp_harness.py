@@ -48,7 +48,7 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None):
 
     A rank that died without reporting gets {"exitcode": code}.
     """
-    workdir = tempfile.mkdtemp(prefix="ddp_eval_mp_")
+    workdir = tempfile.mkdtemp(prefix=f"ddp_eval_mp_{os.getpid()}_")  # per pytest process
     os.chmod(workdir, 0o777)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, env))
