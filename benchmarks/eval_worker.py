@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.join(ROOT, "recipes"))
 
 import speechbrain as sb  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from common import ConvGRUEncoder, normalize_utterances  # noqa: E402
 
 import ddp_eval  # noqa: E402
-from common import ConvGRUEncoder, normalize_utterances  # noqa: E402
 
 
 class _Timed:

@@ -70,8 +70,8 @@ def torchrun(mode, nproc, manifest_path, out):
 
 
 def checkpoint_costs(reps=5):
-    import torch
     import speechbrain as sb
+    import torch
 
     import ddp_eval
 

@@ -8,16 +8,22 @@ Checkpointer
     Drop-in ``speechbrain.utils.checkpoints.Checkpointer``: atomic, rank-0 writes.
 DDPEvalConfig
     The ``ddp_eval:`` hparams section.
-shard_dataloader, ShardedBatchSampler, shard_batches
-    Sharding of evaluation batches (e.g. for a ready DataLoader).
+shard_dataloader, ShardedBatchSampler, ShardedStreamLoader, shard_batches
+    Sharding of evaluation batches (e.g. for a ready DataLoader) and of streams.
 merge_metric_stats, find_metric_objects
     Pure merge of per-rank metric state; discovery of metric objects.
+merge_attribute_states
+    Pure merge of plain Brain attributes (lists, dicts, counters, accumulators).
+ControlChannel
+    Bounded O(N) control exchanges over any ``torch.distributed`` Store.
 Errors
     DDPEvalError and its subclasses.
 """
 
+from ddp_eval.attributes import merge_attribute_states
 from ddp_eval.checkpoint import Checkpointer, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
+from ddp_eval.dist import ControlChannel
 from ddp_eval.errors import (
     CheckpointWriteError,
     CollectiveTimeoutError,
@@ -30,19 +36,22 @@ from ddp_eval.errors import (
 )
 from ddp_eval.metrics import find_metric_objects, merge_metric_stats
 from ddp_eval.mixin import DDPEvalMixin
-from ddp_eval.sharding import ShardedBatchSampler, shard_batches, shard_dataloader
+from ddp_eval.sharding import ShardedBatchSampler, ShardedStreamLoader, shard_batches, shard_dataloader
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DDPEvalMixin",
     "Checkpointer",
     "DDPEvalConfig",
     "ShardedBatchSampler",
+    "ShardedStreamLoader",
     "shard_batches",
     "shard_dataloader",
     "merge_metric_stats",
     "find_metric_objects",
+    "merge_attribute_states",
+    "ControlChannel",
     "inspect_checkpoint_dir",
     "DDPEvalError",
     "ConfigError",

@@ -236,6 +236,7 @@ class ControlChannel:
             verdict = pickle.loads(store.get(self._key(seq, "verdict")))
         else:
             keys = [self._key(seq, f"r{r}") for r in range(self.world_size)]
+            # Store.multi_get: torch >= 2.4 (every supported version); a custom store may lack it.
             blobs = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
             unique, index = {}, []
             for blob in blobs:
@@ -444,4 +445,6 @@ def sync_ddp_buffers(modules: Sequence[torch.nn.Module], tag: str) -> None:
     exchange(tag)  # every rank is here before the broadcast
     broadcast_tensors(buffers, src=0)
     for module in wrapped:
+        # Checked by DDP's will_sync_module_buffers in torch 2.4 to 2.14 alike (next to
+        # broadcast_buffers up to 2.x, forward_sync_buffers in newer releases).
         module.require_forward_param_sync = False

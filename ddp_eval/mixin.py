@@ -7,9 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import torch
-
 import speechbrain as sb
+import torch
 
 from ddp_eval import dist
 from ddp_eval.attributes import (
@@ -67,11 +66,14 @@ class DDPEvalMixin:
     sb.Brain)``. Under ``torchrun``:
 
     * ``fit(valid_set=...)`` and ``evaluate(test_set)`` evaluate each batch on
-      exactly one rank (the batches one process would build, dealt in snake order);
+      exactly one rank (the batches one process would build, dealt in snake
+      order), map-style and streaming sets alike; DDP buffers are broadcast from
+      rank 0 at stage start, so a rank without a batch never blocks the others;
     * before ``on_stage_end``, the stage loss is reduced with ``all_reduce``
-      (sums and counts) and every SpeechBrain metric object on the Brain is
-      merged, so ``on_stage_end`` runs on every rank with the single-process
-      loss and metrics (the TRAIN loss becomes the average over all ranks);
+      (sums and counts), and every SpeechBrain metric object and every plain
+      attribute the stage grew (lists, dicts, counters, accumulators) is merged,
+      so ``on_stage_end`` runs on every rank with the single-process loss,
+      metrics and attributes (the TRAIN loss becomes the average over all ranks);
     * an exception on one rank is raised on every rank, and every wait is
       bounded by ``ddp_eval: collective_timeout``.
 
@@ -137,7 +139,7 @@ class DDPEvalMixin:
 
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
         """Why: the one per-batch hook of every Brain loop; it records exact loss
-        sums and where each batch's metric entries end, for the merge."""
+        sums and what each batch added to metrics and Brain attributes, for the merge."""
         run = self._ddp_run
         if run is not None and run.sharded:
             if torch.isfinite(torch.as_tensor(loss)):

@@ -4,8 +4,8 @@ import logging
 import time
 
 import pytest
-import torch
 import speechbrain as sb
+import torch
 
 import ddp_eval
 from ddp_eval.checkpoint import MANIFEST_KEY

@@ -7,7 +7,7 @@ import pytest
 import speechbrain as sb
 
 from tests import toy, workers
-from tests.mp_harness import run_ranks, results
+from tests.mp_harness import results, run_ranks
 from tests.workers import (
     batchnorm_train_then_eval,
     diverging_scheduler,
@@ -49,7 +49,7 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
                                  timeout=150))
     single = single_process
     eval_records = [r for r in single["log"] if r["stage"] != "TRAIN"]
-    for rank, out in enumerate(per_rank):
+    for out in per_rank:
         dist_eval = [r for r in out["log"] if r["stage"] != "TRAIN"]
         assert len(dist_eval) == len(eval_records)
         for d, s in zip(dist_eval, eval_records):

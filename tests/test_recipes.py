@@ -71,6 +71,25 @@ def test_demo_recipe(tmp_path):
     assert re.search(r"test accuracy: [0-9.e+-]+", stats)
 
 
+def _descendants(pid):
+    """Every process below ``pid`` (torchrun's workers may sit in sessions of their own)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def test_demo_recipe_resumes_after_sigkill(tmp_path):
     """Kill the whole torchrun job (SIGKILL) once a checkpoint exists, then rerun."""
     output = tmp_path / "run"
@@ -89,7 +108,13 @@ def test_demo_recipe_resumes_after_sigkill(tmp_path):
             time.sleep(0.05)
         assert job.poll() is None, "the job ended before it could be killed"
     finally:
+        workers = _descendants(job.pid)
         os.killpg(job.pid, signal.SIGKILL)  # torchrun and both workers, mid-training
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         job.wait()
     epochs_before = [int(line.split(",")[0].split()[1]) for line in _lines(output / "train_log.txt")
                      if line.startswith("epoch")]

@@ -187,8 +187,7 @@ def test_attribute_merge_refuses_what_one_process_could_not_hold(states, match):
 
 
 def test_attribute_kinds_and_local_state_follow_each_batch():
-    from ddp_eval.attributes import (apply_attributes, attribute_kinds, local_attribute_state,
-                                     snapshot_attributes)
+    from ddp_eval.attributes import apply_attributes, attribute_kinds, local_attribute_state, snapshot_attributes
 
     class Holder:
         pass

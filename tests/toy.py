@@ -4,13 +4,12 @@ Everything is deterministic, so one process and N processes can be compared.
 """
 
 import io
-import types
 import os
+import types
 
-import torch
 import speechbrain as sb
+import torch
 from speechbrain.dataio.batch import PaddedBatch
-from torch.utils.data import DataLoader
 from speechbrain.dataio.dataset import DynamicItemDataset
 from speechbrain.dataio.sampler import DynamicBatchSampler
 from speechbrain.utils.Accuracy import AccuracyStats
@@ -22,6 +21,7 @@ from speechbrain.utils.metric_stats import (
     MetricStats,
     MultiMetricStats,
 )
+from torch.utils.data import DataLoader
 
 import ddp_eval
 

@@ -6,9 +6,6 @@ import time
 import speechbrain as sb
 
 import ddp_eval
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
-
 from tests import toy
 
 

@@ -8,7 +8,6 @@ import os
 
 import numpy as np
 import soundfile as sf
-
 from common import write_manifest
 
 SAMPLE_RATE = 8000

@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from common import ClassifierBrain, label_pipeline, run_recipe  # noqa: E402
+
 from demo.demo_prepare import prepare_demo  # noqa: E402
 
 if __name__ == "__main__":

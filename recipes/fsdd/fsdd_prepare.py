@@ -10,7 +10,6 @@ FSDD: https://github.com/Jakobovski/free-spoken-digit-dataset (CC BY-SA 4.0).
 import os
 
 import soundfile as sf
-
 from common import write_manifest
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

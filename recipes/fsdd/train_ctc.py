@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import speechbrain as sb  # noqa: E402
-
 from common import RecipeBrain, normalize_utterances, run_recipe  # noqa: E402
+
 from fsdd.fsdd_prepare import prepare_fsdd  # noqa: E402
 
 BLANK = "_"
