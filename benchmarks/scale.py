@@ -9,7 +9,8 @@ gloo process groups at 1-16 ranks.
    Seconds per exchange of ``ddp_eval.dist.ControlChannel`` (rank 0 gathers,
    posts one answer) against the 0.1.0 shape (every rank reads all N keys),
    measured in the same run.
-2. Real gloo groups on this machine: a tiny model evaluates a VALID set
+2. Real gloo groups on this machine (TCPStore rendezvous, as under torchrun):
+   a tiny model evaluates a VALID set
    (length-sorted toy data, batch 16) with DDPEvalMixin. Per world size: the
    evaluation time, the stage-end overhead (exchange, loss all_reduce, metric
    and attribute merge), and the bytes of merge state each rank receives in
@@ -20,6 +21,7 @@ Writes benchmarks/out/scale.json and scale.png and prints Markdown tables.
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pickle
@@ -108,13 +110,14 @@ def eval_worker(rank, world_size, n_items):
     total = time.perf_counter() - start
     exact = {k: brain.log[-1][k] for k in ("acc_metric", "counters", "predictions", "confusion")}
     return {"eval_s": total, "stage_end_s": timings.get("stage_end_s", 0.0),
-            "state_bytes": sizes[0] if sizes else 0, "log": repr(exact)}
+            "state_bytes": sizes[0] if sizes else 0,
+            "log": hashlib.sha1(repr(exact).encode()).hexdigest()}  # compared across world sizes
 
 
 def real_groups(world_sizes, n_items):
     rows = []
     for n in world_sizes:
-        per_rank = results(run_ranks(eval_worker, n, n_items, timeout=600))
+        per_rank = results(run_ranks(eval_worker, n, n_items, timeout=600, store="tcp"))  # as torchrun
         assert all(r["log"] == per_rank[0]["log"] for r in per_rank), "ranks disagree"
         row = {"ranks": n, "items": n_items,
                "eval_s": max(r["eval_s"] for r in per_rank),

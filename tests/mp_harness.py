@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import traceback
@@ -21,7 +22,7 @@ class Hang(AssertionError):
     """Ranks were still running at the deadline (they were killed)."""
 
 
-def _entry(fn, rank, world_size, workdir, args, env):
+def _entry(fn, rank, world_size, workdir, args, env, init_method):
     os.environ.update(
         {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
          "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -30,9 +31,7 @@ def _entry(fn, rank, world_size, workdir, args, env):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         outcome = {"result": fn(rank, world_size, *args)}
     except BaseException as exc:  # reported to the parent
@@ -43,15 +42,24 @@ def _entry(fn, rank, world_size, workdir, args, env):
     os._exit(0)  # no teardown collectives that could wait for a failed peer
 
 
-def run_ranks(fn, world_size, *args, timeout=60.0, env=None):
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, world_size, *args, timeout=60.0, env=None, store="file"):
     """Returns one outcome dict per rank: {"result": ...} or {"error", "message"}.
 
-    A rank that died without reporting gets {"exitcode": code}.
+    A rank that died without reporting gets {"exitcode": code}. ``store="tcp"``
+    rendezvouses through a TCPStore, as torchrun does (default: a FileStore).
     """
     workdir = tempfile.mkdtemp(prefix=f"ddp_eval_mp_{os.getpid()}_")  # per pytest process
     os.chmod(workdir, 0o777)
+    init_method = (f"tcp://127.0.0.1:{_free_port()}" if store == "tcp"
+                   else f"file://{workdir}/rendezvous")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, env))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, env, init_method))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -53,3 +53,20 @@ class SimulatedRanks:
         stuck = [r for r, t in zip(ranks, threads) if t.is_alive()]
         assert not stuck, f"simulated ranks {stuck[:10]} still waiting after {deadline} s"
         return outcomes
+
+
+class CountingStore:
+    """Forwards to a store and counts the requests made through it."""
+
+    def __init__(self, store):
+        self._store = store
+        self.requests = 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted

@@ -92,3 +92,17 @@ def test_keys_of_an_earlier_attempt_are_never_read(sim, monkeypatch):
                                  for _ in range(2)])
     for r in range(N):
         assert out[r][0] == [[f"new{s % 2}" for s in range(N)]] * 2
+
+
+@pytest.mark.parametrize("world_size", [16, 64])
+def test_store_requests_per_exchange_grow_linearly(world_size):
+    """At most 5 requests per rank and 10 more at the coordinator: O(N), not N^2."""
+    from tests.simulated_ranks import CountingStore
+
+    sim = SimulatedRanks(world_size)
+    counters = [CountingStore(c) for c in sim.clients]
+    sim.channels[:] = [ControlChannel(c, r, world_size, "count") for r, c in enumerate(counters)]
+    sim.run(lambda r, ch: [ch.exchange(f"step {i}", payload=r) for i in range(4)])
+    per_exchange = sum(c.requests for c in counters) / 4
+    assert per_exchange <= 5 * world_size + 10, per_exchange
+    assert counters[1].requests / 4 <= 5
