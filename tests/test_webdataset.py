@@ -24,8 +24,9 @@ def single_process(shards):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stream_dealt_by_batches_equals_one_process(world_size, shards, single_process):
-    """100 utterances at batch 4 = 25 batches; at 3 ranks the last round leaves one
-    rank without a batch. Every rank reads the stream and sees one process's numbers."""
+    """100 utterances at batch 4 = 25 batches, dealt unevenly at 3 ranks (9, 8, 8).
+    Every rank reads the stream and sees one process's numbers. (A streamed set with
+    an idle rank: test_attributes_distributed, 3-stream.)"""
     assert len(shards) == 4
     per_rank = results(run_ranks(streaming.worker, world_size, shards, False, timeout=120))
     for out in per_rank:

@@ -256,12 +256,14 @@ class UtteranceStream(torch.utils.data.IterableDataset):
 
 
 def run_accumulating(brain, stream=False):
-    """fit with VALID = 29 items at batch 3 (10 batches), then evaluate 4 items."""
-    valid = make_dataset(29, 1)
+    """fit with VALID = 29 items at batch 3 (10 batches), then evaluate 4 items
+    (2 batches: an idle rank from 3 ranks on); both streamed if ``stream``."""
+    valid, test = make_dataset(29, 1), make_dataset(4, 3, "tst")
     kwargs = {"batch_size": 3}
     if stream:
-        valid, kwargs = UtteranceStream(valid), {"batch_size": 3, "collate_fn": PaddedBatch}
+        valid, test = UtteranceStream(valid), UtteranceStream(test)
+        kwargs = {"batch_size": 3, "collate_fn": PaddedBatch}
     brain.fit(brain.hparams.counter, make_dataset(8, 0), valid,
               train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs=kwargs)
-    brain.evaluate(make_dataset(4, 3, "tst"), test_loader_kwargs={"batch_size": 3})
+    brain.evaluate(test, test_loader_kwargs=kwargs)
     return {"log": brain.log, "seen": brain.seen.ids}
