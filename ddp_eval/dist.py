@@ -203,7 +203,7 @@ class ControlChannel:
             answer = self._await_answer(seq, tag, timeout)
         # The coordinator has read our envelope once a verdict exists.
         store.delete_key(self._key(seq, f"r{self.rank}"))
-        return self._open(answer, seq, tag, timeout)
+        return self._open(answer, seq, tag)
 
     # Keys of exchange ``seq``: ``r<rank>`` envelopes, ``count`` arrivals,
     # ``ready`` (all arrived, or a verdict to read), ``verdict`` (decided once,
@@ -268,7 +268,7 @@ class ControlChannel:
                    if not self.store.check([self._key(seq, f"r{r}")])]
         return ("timeout", missing, tag, self.rank, timeout)
 
-    def _open(self, answer: tuple, seq: int, tag: str, timeout: float) -> List[Any]:
+    def _open(self, answer: tuple, seq: int, tag: str) -> List[Any]:
         kind = answer[0]
         if kind == "failed":
             _, failed_rank, failed_tag, description, failed_traceback = answer

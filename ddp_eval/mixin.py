@@ -145,8 +145,9 @@ class DDPEvalMixin:
             if torch.isfinite(torch.as_tensor(loss)):
                 run.loss_sum += float(loss)
                 run.loss_count += 1
-            run.snapshots.append(snapshot(self._ddp_metric_objects()))
-            run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names()))
+            objects = self._ddp_metric_objects()
+            run.snapshots.append(snapshot(objects))
+            run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names(objects)))
         return super().update_average(loss, avg_loss)
 
     # -- internals ---------------------------------------------------------
@@ -160,10 +161,11 @@ class DDPEvalMixin:
         cfg = self.ddp_eval_config
         return find_metric_objects(self, cfg.metrics_include, cfg.metrics_exclude)
 
-    def _ddp_attribute_names(self) -> List[str]:
-        """Plain attributes of the recipe's Brain that may be merged."""
+    def _ddp_attribute_names(self, metric_objects) -> List[str]:
+        """Plain attributes of the recipe's Brain that may be merged (not those
+        holding the ``metric_objects`` found by :meth:`_ddp_metric_objects`)."""
         cfg = self.ddp_eval_config
-        metric_holders = {path.split("[")[0] for path in self._ddp_metric_objects()}
+        metric_holders = {path.split("[")[0] for path in metric_objects}
         names = set(vars(self)) - self._ddp_brain_attributes - metric_holders - set(cfg.attributes_exclude)
         names -= {"on_stage_start", "on_stage_end", "ddp_eval_config"}  # the mixin's own
         if cfg.attributes_include is not None:
@@ -177,8 +179,9 @@ class DDPEvalMixin:
             run = _StageRun(stage, stage != sb.Stage.TRAIN and is_sharded(loader), loader)
             if run.sharded:
                 dist.sync_ddp_buffers(list(self.modules.values()), f"{stage.name} stage start")
-                run.snapshots.append(snapshot(self._ddp_metric_objects()))
-                run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names()))
+                objects = self._ddp_metric_objects()
+                run.snapshots.append(snapshot(objects))
+                run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names(objects)))
             self._ddp_run = run
 
         on_stage_start.__doc__ = user_on_stage_start.__doc__
@@ -226,7 +229,7 @@ class DDPEvalMixin:
             objects = self._ddp_metric_objects()
             batch_ids = global_batch_ids(run.loader)
             kinds, unmergeable = attribute_kinds(
-                self, self._ddp_attribute_names(), run.attribute_snapshots)
+                self, self._ddp_attribute_names(objects), run.attribute_snapshots)
             packed = pickle.dumps((
                 local_state(objects, run.snapshots, batch_ids),
                 local_attribute_state(self, kinds, run.attribute_snapshots, batch_ids)))
