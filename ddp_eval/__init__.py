@@ -25,6 +25,7 @@ from ddp_eval.checkpoint import Checkpointer, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.dist import ControlChannel
 from ddp_eval.errors import (
+    CheckpointLoadError,
     CheckpointWriteError,
     CollectiveTimeoutError,
     ConfigError,
@@ -60,5 +61,6 @@ __all__ = [
     "OutOfStepError",
     "StateDivergenceError",
     "CheckpointWriteError",
+    "CheckpointLoadError",
     "StorageError",
 ]

@@ -1,27 +1,34 @@
-"""Merging plain Brain attributes that grow during a sharded stage, exactly.
+"""Merging plain attributes that grow during a sharded stage, exactly.
 
 Recipes accumulate on the Brain itself (``self.acc_metric.append(acc)``,
-``self.outcome[utt_id] = ...``, ``self.n_correct += ...``). Like metric
-objects, such attributes are snapshotted at stage start and after every
-batch; at stage end each rank sends what every batch changed, tagged with the
-batch's global position, and :func:`merge_attribute_states` (a pure function)
-rebuilds what one process would hold:
+``self.outcome[utt_id] = ...``, ``self.n_correct += ...``) and sometimes on
+objects it holds (``self.hparams.aligner.align_dict[utt_id] = ...``, named by
+a dotted path in ``ddp_eval: attributes_include``). An
+:class:`AttributeTracker` watches such attributes during a stage; after every
+batch it looks only at what that batch changed (list and dict lengths,
+numbers, a tensor's identity and ``_version``), so its cost does not grow with
+the state the attributes hold. At stage end each rank sends what it changed,
+tagged with global batch positions, and :func:`merge_attribute_states` (a pure
+function) rebuilds what one process would hold:
 
 =============  ==============================================================
 kind           how it is merged
 =============  ==============================================================
 ``append``     list that only grew: new entries in global batch order
-``keys``       dict that only gained keys: new keys in global batch order; a
-               key added on two ranks is an error naming it
-``sum``        int: the increments, summed (exact)
-``accumulate`` float or tensor of a fixed shape: the per-batch increments added
-               to the start value in global batch order (equal to one process
-               up to floating-point rounding, see the README)
+``keys``       dict that gained keys (in global batch order) or whose values
+               were replaced; a key added or replaced on two ranks is an error
+``sum``        int, or integer tensor of fixed shape: the increments, summed
+               (exact in any order; one running increment per rank)
+``accumulate`` float, or float tensor of fixed shape: per-batch increments
+               added to the start value in global batch order; beyond
+               ``attribute_memory_mb`` of tensor increments, per-rank totals
+               added in rank order (both equal one process up to rounding)
 =============  ==============================================================
 
 Anything else that changed (a list or dict replaced by a new object, a bool, a
 string, a tensor that changed shape, another object replaced) cannot be merged
-and is reported by name.
+and is reported by name. Copies of tensors live in CPU memory: one at stage
+start, and for float tensors that change, one more plus the increments.
 
 Example
 -------
@@ -31,206 +38,460 @@ Example
 ('append', [0.5, 0.9, 0.7])
 """
 
+import itertools
+import logging
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ddp_eval.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 MERGEABLE_KINDS = ("append", "keys", "sum", "accumulate")
-_ABSENT = ("absent",)
-
-# name -> (identity, marker): list/dict length, number, tensor copy; absent names are missing
-AttributeSnapshot = Dict[str, Tuple[int, Any]]
+ABSENT = type("Absent", (), {"__repr__": lambda self: "<absent>"})()
+_warned_over_budget = set()  # labels warned about once per process
 
 
-def _marker(value: Any) -> Any:
-    if isinstance(value, (list, dict)):
-        return len(value)
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    return None
+def is_number(value: Any) -> bool:
+    """int or float, not bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def snapshot_attributes(owner: Any, names: Sequence[str]) -> AttributeSnapshot:
-    """Records identity and size or value of each attribute of ``owner`` in ``names``."""
-    values = vars(owner)
-    return {name: (id(values[name]), _marker(values[name])) for name in names if name in values}
+def resolve(root: Any, path: str) -> Tuple[Any, str]:
+    """``(owner, name)`` of a dotted attribute path below ``root``.
 
-
-def classify(start: Any, snapshots: Sequence[Tuple[int, Any]], end: Any) -> Optional[str]:
-    """Kind of an attribute over a stage, None if unchanged, or ``"unmergeable: why"``.
-
-    Arguments
-    ---------
-    start : object
-        The value at stage start (``_ABSENT`` if it did not exist).
-    snapshots : list
-        ``(identity, marker)`` at stage start and after every batch.
-    end : object
-        The value now (``_ABSENT`` if it does not exist).
-    """
-    present = [s for s in snapshots if s[1] is not _ABSENT]
-    if end is _ABSENT:
-        return "unmergeable: deleted during the stage" if present else None
-    ids = {s[0] for s in present} | {id(end)}
-    if isinstance(end, (list, dict)):
-        kind = "append" if isinstance(end, list) else "keys"
-        if len(ids) > 1:
-            return f"unmergeable: a new {type(end).__name__} was assigned during the stage"
-        sizes = [s[1] for s in present] + [len(end)]
-        if any(b < a for a, b in zip(sizes, sizes[1:])):
-            return f"unmergeable: entries were removed from the {type(end).__name__}"
-        return kind if sizes[-1] != (sizes[0] if start is not _ABSENT else 0) else None
-    if isinstance(end, bool) or not isinstance(end, (int, float, torch.Tensor)):
-        if start is not _ABSENT and len(ids) == 1:
-            return None
-        return f"unmergeable: a {type(end).__name__} changed during the stage"
-    if isinstance(end, torch.Tensor):
-        markers = [s[1] for s in present] + [end]
-        if any(not isinstance(m, torch.Tensor) or m.shape != end.shape or m.dtype != end.dtype
-               for m in markers):
-            return "unmergeable: a tensor that changed shape or dtype during the stage"
-        changed = start is _ABSENT or not torch.equal(markers[0], end)
-        return "accumulate" if changed else None
-    if any(not isinstance(s[1], (int, float)) for s in present):
-        return f"unmergeable: a {type(end).__name__} that was not a number during the stage"
-    if start is not _ABSENT and start == end:
-        return None
-    return "sum" if isinstance(end, int) and all(isinstance(s[1], int) for s in present) else "accumulate"
-
-
-def _increment(before: Any, after: Any) -> Any:
-    if after is _ABSENT:
-        return 0
-    return after if before is _ABSENT else after - before
-
-
-def local_attribute_state(
-    owner: Any,
-    kinds: Mapping[str, str],
-    snapshots: Sequence[AttributeSnapshot],
-    global_batch_ids: Sequence[int],
-) -> Dict[str, Tuple[str, Any]]:
-    """What each batch changed in the attributes named in ``kinds``, on this rank.
-
-    Returns ``{name: (kind, (positions, sizes, items))}`` for ``append`` and
-    ``keys`` (``items`` of a dict are ``(key, value)`` pairs) and
-    ``{name: (kind, (positions, increments))}`` for ``sum`` and
-    ``accumulate``; position ``inf`` is after the last batch.
-    """
-    end = snapshot_attributes(owner, list(kinds))
-    snapshots = list(snapshots)
-    positions = list(global_batch_ids[: len(snapshots) - 1]) + [math.inf]
-    state = {}
-    for name, kind in sorted(kinds.items()):
-        marks = [s.get(name, (0, _ABSENT))[1] for s in snapshots + [end]]
-        value = vars(owner).get(name)
-        if kind in ("append", "keys"):
-            bounds = [0 if m is _ABSENT else m for m in marks]
-            items = list(value.items()) if kind == "keys" else list(value)
-            sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-            state[name] = (kind, (positions, sizes, items[bounds[0]:]))
-        else:
-            increments = [_increment(a, b) for a, b in zip(marks, marks[1:])]
-            state[name] = (kind, (positions, increments))
-    return state
-
-
-def merge_attribute_states(rank_states: Sequence[Mapping[str, Tuple[str, Any]]]) -> Dict[str, Tuple[str, Any]]:
-    """Merges per-rank :func:`local_attribute_state` results (pure function).
-
-    Returns ``{name: ("append", new entries) | ("keys", new (key, value) pairs)
-    | ("sum", total) | ("accumulate", increments in global order)}``.
+    Mappings on the way are indexed by key, other objects by attribute.
 
     Example
     -------
-    >>> r0 = {"n": ("sum", ([0, math.inf], [3, 0]))}
-    >>> r1 = {"n": ("sum", ([1, math.inf], [2, 0]))}
-    >>> merge_attribute_states([r0, r1])["n"]
-    ('sum', 5)
+    >>> import types
+    >>> brain = types.SimpleNamespace(hparams=types.SimpleNamespace(aligner={"d": 1}))
+    >>> resolve(brain, "hparams.aligner.d")
+    ({'d': 1}, 'd')
+    """
+    *parents, name = path.split(".")
+    owner, walked = root, []
+    for part in parents:
+        child = owner.get(part, ABSENT) if isinstance(owner, Mapping) else getattr(owner, part, ABSENT)
+        if child is ABSENT:
+            where = ".".join(walked) or "the Brain"
+            raise ConfigError(
+                f"ddp_eval: attributes_include path '{path}' cannot be followed: {where} has "
+                f"no '{part}'. Expected a dotted path to an attribute that exists at stage "
+                "start, e.g. hparams.aligner.align_dict."
+            )
+        owner = child
+        walked.append(part)
+    return owner, name
+
+
+def get_value(owner: Any, name: str) -> Any:
+    """``owner.name`` (or ``owner[name]`` for a mapping); ``ABSENT`` if missing."""
+    if isinstance(owner, Mapping):
+        return owner.get(name, ABSENT)
+    own = getattr(owner, "__dict__", None)
+    if own is not None and name in own:
+        return own[name]
+    return getattr(owner, name, ABSENT)
+
+
+def _set_value(owner: Any, name: str, value: Any) -> None:
+    if isinstance(owner, dict):
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _exact_dtype(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex())
+
+
+class _Track:
+    """What one attribute held at stage start and how the batches changed it."""
+
+    def __init__(self, label: str, owner: Any, name: str, value: Any) -> None:
+        self.label, self.owner, self.name = label, owner, name
+        self.start = value
+        self.obj = value  # held, so that an identity check cannot meet a reused id
+        self.why: Optional[str] = None  # why it cannot be merged
+        self.changes: List[Tuple[int, int]] = []  # (batch index, length after it): lists, dicts
+        self.numbers: List[Tuple[int, Any]] = []  # (batch index, value after it): numbers
+        self.increments: List[Tuple[int, torch.Tensor]] = []  # float tensors, while within budget
+        self.totals = False  # float tensor over budget: one total per rank
+        self.changed = False
+        self.base = self.previous = self.spec = None
+        self.start_len, self.start_items = 0, None
+        if isinstance(value, (list, dict)):
+            self.start_len = len(value)
+            self.start_items = dict(value) if isinstance(value, dict) else None  # references only
+        elif isinstance(value, torch.Tensor):
+            self.version, self.spec = value._version, (value.shape, value.dtype)
+            self.base = self.previous = _cpu_copy(value)
+        self.last = self._marker(value)
+
+    @staticmethod
+    def _marker(value: Any) -> Any:
+        if isinstance(value, (list, dict)):
+            return len(value)
+        if is_number(value):
+            return value
+        return None
+
+    def _fail(self, why: str) -> None:
+        self.why = why
+        self.increments = []
+
+    def observe(self, index: int, tracker: "AttributeTracker") -> None:
+        """Notes what batch ``index`` changed (O(1), plus a copy of a changed float tensor)."""
+        if self.why is not None:
+            return
+        value = get_value(self.owner, self.name)
+        if value is ABSENT:
+            if self.obj is not ABSENT:
+                self._fail("deleted during the stage")
+            return
+        if isinstance(value, (list, dict)):
+            self._observe_container(index, value)
+        elif is_number(value):
+            if not (self.obj is ABSENT or is_number(self.obj)):
+                self._fail(f"a {type(self.obj).__name__} that became a number during the stage")
+            elif value != self.last or type(value) is not type(self.last):
+                self.numbers.append((index, value))
+                self.last, self.obj = value, value
+        elif isinstance(value, torch.Tensor):
+            self._observe_tensor(index, value, tracker)
+        elif value is not self.obj:
+            self._fail(f"a {type(value).__name__} changed during the stage")
+
+    def _observe_container(self, index: int, value: Any) -> None:
+        kind = type(value).__name__
+        if self.obj is ABSENT:  # created during the stage: it starts empty
+            self.obj, self.start_len, self.last = value, 0, 0
+            self.start_items = {} if isinstance(value, dict) else None
+        if value is not self.obj:
+            self._fail(f"a new {kind} was assigned during the stage")
+        elif len(value) < self.last:
+            self._fail(f"entries were removed from the {kind}")
+        elif len(value) != self.last:
+            self.changes.append((index, len(value)))
+            self.last = len(value)
+
+    def _observe_tensor(self, index: int, value: torch.Tensor, tracker: "AttributeTracker") -> None:
+        if value is self.obj and value._version == self.version:
+            return  # unchanged: no copy, no comparison
+        if self.obj is not ABSENT and not isinstance(self.obj, torch.Tensor):
+            self._fail(f"a {type(self.obj).__name__} that became a tensor during the stage")
+            return
+        self.spec = self.spec or (value.shape, value.dtype)
+        if (value.shape, value.dtype) != self.spec:
+            self._fail("a tensor that changed shape or dtype during the stage")
+            return
+        self.obj, self.version, self.changed = value, value._version, True
+        if _exact_dtype(value) or self.totals:
+            return  # one increment per rank, taken at stage end
+        current = _cpu_copy(value)
+        increment = current if self.previous is None else current - self.previous
+        if not tracker.reserve(increment.nelement() * increment.element_size()):
+            self._switch_to_totals(tracker)
+            return
+        self.increments.append((index, increment))
+        self.previous = current
+
+    def _switch_to_totals(self, tracker: "AttributeTracker") -> None:
+        tracker.release(sum(i.nelement() * i.element_size() for _, i in self.increments))
+        self.increments, self.previous, self.totals = [], None, True
+        if self.label not in _warned_over_budget:
+            _warned_over_budget.add(self.label)
+            logger.warning(
+                f"ddp_eval: the per-batch increments of float tensor attribute '{self.label}' "
+                f"exceed ddp_eval: attribute_memory_mb ({tracker.budget_bytes / 2**20:g} MB) on "
+                "this rank; from now on each rank sends one total, added in rank order. The "
+                "merged value then equals one process up to about 2 (n + N) eps max|value| "
+                "(n batches, N ranks, eps = 2**-53 for float64, 2**-24 for float32) instead of "
+                "2 n eps max|value|. Raise attribute_memory_mb to keep per-batch order."
+            )
+
+    # -- stage end -------------------------------------------------------------
+
+    def kind(self) -> Optional[str]:
+        """The merge kind, None if unchanged, or ``"unmergeable: why"``."""
+        if self.why is not None:
+            return f"unmergeable: {self.why}"
+        value = get_value(self.owner, self.name)
+        if value is ABSENT:
+            return None
+        if isinstance(value, list):
+            return "append" if self.changes else None
+        if isinstance(value, dict):
+            if self.changes or self._replaced(value):
+                return "keys"
+            return None
+        if is_number(value):
+            if not self.numbers:
+                return None
+            ints = all(isinstance(v, int) for _, v in self.numbers)
+            exact = ints and (self.start is ABSENT or isinstance(self.start, int))
+            return "sum" if exact else "accumulate"
+        if isinstance(value, torch.Tensor):
+            if not self.changed:
+                return None
+            return "sum" if _exact_dtype(value) else "accumulate"
+        return None
+
+    def _replaced(self, value: dict) -> Dict[Any, Any]:
+        start = self.start_items or {}
+        missing = [k for k in start if k not in value]
+        if missing:
+            self._fail(f"keys were removed from the dict (e.g. {missing[0]!r})")
+            return {}
+        return {k: value[k] for k, v in start.items() if value[k] is not v}
+
+    def local_state(self, kind: str, positions: Sequence[int]) -> Tuple[str, Any]:
+        """What this rank's batches changed, with the global ``positions`` of batch indices."""
+        value = get_value(self.owner, self.name)
+
+        def cut(changes: Sequence[Tuple[int, int]], start: int, end: int):
+            bounds = [start] + [n for _, n in changes]
+            if bounds[-1] != end:  # grew without a recorded change: after the last batch
+                changes, bounds = list(changes) + [(len(positions) - 1, end)], bounds + [end]
+            return [positions[i] for i, _ in changes], [b - a for a, b in zip(bounds, bounds[1:])]
+
+        if kind == "append":
+            places, sizes = cut(self.changes, self.start_len, len(value))
+            return kind, (places, sizes, value[self.start_len:])
+        if kind == "keys":
+            places, sizes = cut(self.changes, self.start_len, len(value))
+            new_items = list(itertools.islice(value.items(), self.start_len, None))
+            return kind, (places, sizes, new_items, self._replaced(value))
+        if kind == "sum":
+            if isinstance(value, torch.Tensor):
+                end = _cpu_copy(value)
+                return kind, end if self.base is None else end - self.base
+            return kind, value - (0 if self.start is ABSENT else self.start)
+        if isinstance(value, torch.Tensor):
+            if self.totals:
+                end = _cpu_copy(value)
+                return kind, ("total", end if self.base is None else end - self.base)
+            return kind, ("batches", [positions[i] for i, _ in self.increments],
+                          [inc for _, inc in self.increments])
+        before, places, increments = (0 if self.start is ABSENT else self.start), [], []
+        for index, after in self.numbers:
+            places.append(positions[index])
+            increments.append(after - before)
+            before = after
+        return kind, ("batches", places, increments)
+
+
+class AttributeTracker:
+    """Watches attributes during one sharded stage on this rank.
+
+    Arguments
+    ---------
+    targets : dict
+        ``{label: (owner, name)}`` of the attributes to watch from now on.
+    budget_mb : float
+        Memory for per-batch increments of float tensors on this rank.
+
+    Example
+    -------
+    >>> import types
+    >>> holder = types.SimpleNamespace(hits=[], n=0)
+    >>> tracker = AttributeTracker({"hits": (holder, "hits"), "n": (holder, "n")})
+    >>> holder.hits.append("a"); holder.n += 2
+    >>> tracker.after_batch()
+    >>> kinds, unmergeable, state = tracker.finish(positions=[5])
+    >>> kinds, state["hits"], state["n"]
+    ({'hits': 'append', 'n': 'sum'}, ('append', ([5], [1], ['a'])), ('sum', 2))
+    """
+
+    def __init__(self, targets: Mapping[str, Tuple[Any, str]], budget_mb: float = 64.0) -> None:
+        self.budget_bytes = budget_mb * 2**20
+        self.used_bytes = 0
+        self.batches = 0
+        self.tracks = {label: _Track(label, owner, name, get_value(owner, name))
+                       for label, (owner, name) in targets.items()}
+
+    def add(self, targets: Mapping[str, Tuple[Any, str]]) -> None:
+        """Watches ``targets`` not watched yet: created during the stage, so
+        absent at its start (their value is a change of the batch to come)."""
+        for label, (owner, name) in targets.items():
+            if label not in self.tracks:
+                self.tracks[label] = _Track(label, owner, name, ABSENT)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Takes ``nbytes`` of the budget; False (nothing taken) if it does not fit."""
+        if self.used_bytes + nbytes > self.budget_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Gives ``nbytes`` back to the budget."""
+        self.used_bytes -= nbytes
+
+    def after_batch(self) -> None:
+        """Notes what the batch just evaluated changed."""
+        for track in self.tracks.values():
+            track.observe(self.batches, self)
+        self.batches += 1
+
+    def finish(self, positions: Sequence[int]) -> Tuple[Dict[str, str], Dict[str, str], Dict[str, Tuple[str, Any]]]:
+        """``(kinds, unmergeable, state)`` at stage end.
+
+        ``positions`` are the global positions of this rank's batches, in
+        order; ``state`` is ``{label: (kind, data)}`` for :func:`merge_attribute_states`.
+        """
+        for track in self.tracks.values():  # what changed after the last batch: position inf
+            track.observe(self.batches, self)
+        positions = list(positions[: self.batches]) + [math.inf]
+        kinds, unmergeable, state = {}, {}, {}
+        for label in sorted(self.tracks):
+            track = self.tracks[label]
+            kind = track.kind()
+            if kind is None:
+                continue
+            if kind.startswith("unmergeable: "):
+                unmergeable[label] = kind[len("unmergeable: "):]
+                continue
+            kinds[label] = kind
+            state[label] = track.local_state(kind, positions)
+        return kinds, unmergeable, state
+
+    def apply(self, merged: Mapping[str, Tuple[str, Any]], locate: Callable[[str], Tuple[Any, str]]) -> None:
+        """Writes ``merged`` (of :func:`merge_attribute_states`) into the attributes,
+        on top of what they held at stage start; ``locate(label)`` gives
+        ``(owner, name)`` of a label this rank never watched (created elsewhere)."""
+        for label, (kind, data) in merged.items():
+            track = self.tracks.get(label)
+            if track is None:
+                owner, name = locate(label)
+                track = _Track(label, owner, name, ABSENT)
+            _apply_one(track, kind, data)
+
+
+def _apply_one(track: _Track, kind: str, data: Any) -> None:
+    owner, name, start = track.owner, track.name, track.start
+    current = get_value(owner, name)
+    if kind == "append":
+        if not isinstance(current, list):
+            current = []
+            _set_value(owner, name, current)
+        del current[0 if start is ABSENT else track.start_len:]
+        current.extend(data)
+    elif kind == "keys":
+        new_items, replaced = data
+        if not isinstance(current, dict):
+            current = {}
+            _set_value(owner, name, current)
+        keep = 0 if start is ABSENT else track.start_len
+        for key in list(itertools.islice(current, keep, None)):
+            del current[key]
+        current.update(replaced)
+        current.update(new_items)
+    else:
+        if isinstance(current, torch.Tensor) or isinstance(start, torch.Tensor):
+            value = track.base
+            for increment in (data if kind == "accumulate" else [data]):
+                value = increment.clone() if value is None else value + increment
+            if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
+                with torch.no_grad():
+                    current.copy_(value)  # in place: other holders of the tensor see it too
+            else:
+                _set_value(owner, name, value)
+            return
+        value = 0 if start is ABSENT else start
+        for increment in (data if kind == "accumulate" else [data]):
+            value = value + increment
+        _set_value(owner, name, value)
+
+
+def merge_attribute_states(rank_states: Sequence[Mapping[str, Tuple[str, Any]]]) -> Dict[str, Tuple[str, Any]]:
+    """Merges per-rank :meth:`AttributeTracker.finish` states (pure function).
+
+    Returns ``{label: ("append", new entries) | ("keys", (new (key, value)
+    pairs, {replaced key: value})) | ("sum", total) | ("accumulate",
+    increments in the order to add them)}``.
+
+    Example
+    -------
+    >>> r0 = {"n": ("sum", 3), "x": ("accumulate", ("batches", [0, 2], [0.5, 0.25]))}
+    >>> r1 = {"n": ("sum", 2), "x": ("accumulate", ("batches", [1], [1.0]))}
+    >>> merged = merge_attribute_states([r0, r1])
+    >>> merged["n"], merged["x"]
+    (('sum', 5), ('accumulate', [0.5, 1.0, 0.25]))
     """
     kinds: Dict[str, str] = {}
-    pieces: Dict[str, List[Tuple[float, int, Any]]] = {}
+    per_label: Dict[str, List[Tuple[int, Any]]] = {}
     for rank, state in enumerate(rank_states):
-        for name, (kind, data) in state.items():
-            if kinds.setdefault(name, kind) != kind:
+        for label, (kind, data) in state.items():
+            if kinds.setdefault(label, kind) != kind:
                 raise ConfigError(
-                    f"ddp_eval: Brain attribute '{name}' changed as '{kinds[name]}' on one "
-                    f"rank and as '{kind}' on rank {rank}; expected the same kind of change "
-                    "on every rank. List it in ddp_eval: attributes_exclude."
+                    f"ddp_eval: attribute '{label}' changed as '{kinds[label]}' on one rank "
+                    f"and as '{kind}' on rank {rank}; expected the same kind of change on every "
+                    "rank. List it in ddp_eval: attributes_exclude."
                 )
-            bucket = pieces.setdefault(name, [])
-            if kind in ("append", "keys"):
-                positions, sizes, items = data
-                offset = 0
-                for position, size in zip(positions, sizes):
-                    bucket.append((position, rank, items[offset: offset + size]))
-                    offset += size
-            else:
-                bucket.extend((p, rank, [inc]) for p, inc in zip(*data))
-    merged: Dict[str, Tuple[str, Any]] = {}
-    for name in sorted(kinds):
-        ordered = [x for _, _, chunk in sorted(pieces[name], key=lambda p: p[:2]) for x in chunk]
-        kind = kinds[name]
-        if kind == "keys":
-            seen = {}
-            for key, _ in ordered:
-                if key in seen:
-                    raise ConfigError(
-                        f"ddp_eval: key {key!r} was added to Brain attribute '{name}' by "
-                        "more than one batch (on different ranks or twice), so the dict "
-                        "cannot be merged; expected each key once (e.g. one per utterance "
-                        "id). Accumulate counts in a list or a counter instead, or list "
-                        f"'{name}' in ddp_eval: attributes_exclude."
-                    )
-                seen[key] = True
-        elif kind == "sum":
-            ordered = sum(ordered)
-        merged[name] = (kind, ordered)
-    return merged
+            per_label.setdefault(label, []).append((rank, data))
+    return {label: (kinds[label], _MERGERS[kinds[label]](label, per_label[label]))
+            for label in sorted(kinds)}
 
 
-def apply_attributes(owner: Any, start: AttributeSnapshot, merged: Mapping[str, Tuple[str, Any]]) -> None:
-    """Writes merged attributes into ``owner``, keeping what it held at stage start."""
-    values = vars(owner)
-    for name, (kind, data) in merged.items():
-        had = start.get(name, (0, _ABSENT))[1]
-        if kind == "append":
-            target = values.setdefault(name, [])
-            del target[0 if had is _ABSENT else had:]
-            target.extend(data)
-        elif kind == "keys":
-            target = values.setdefault(name, {})
-            for key in list(target)[0 if had is _ABSENT else had:]:
-                del target[key]
-            target.update(data)
-        elif kind == "sum":
-            setattr(owner, name, (0 if had is _ABSENT else had) + data)
-        else:
-            value = None if had is _ABSENT else had
-            for increment in data:
-                value = increment if value is None else value + increment
-            if isinstance(value, torch.Tensor) and isinstance(values.get(name), torch.Tensor):
-                value = value.to(values[name].device)
-            setattr(owner, name, value)
+def _ordered_chunks(per_rank: Sequence[Tuple[int, Tuple[list, list, Sequence]]]) -> list:
+    pieces = []
+    for rank, (positions, sizes, items) in per_rank:
+        offset = 0
+        for position, size in zip(positions, sizes):
+            pieces.append((position, rank, items[offset: offset + size]))
+            offset += size
+    return [x for _, _, chunk in sorted(pieces, key=lambda p: p[:2]) for x in chunk]
 
 
-def attribute_kinds(
-    owner: Any, names: Sequence[str], snapshots: Sequence[AttributeSnapshot]
-) -> Tuple[Dict[str, str], Dict[str, str]]:
-    """``({name: kind}, {name: why it cannot be merged})`` of the attributes that
-    changed since the first snapshot (``names``: the candidates present now)."""
-    kinds, unmergeable = {}, {}
-    values = vars(owner)
-    for name in sorted(set(names).union(*snapshots)):
-        track = [s.get(name, (0, _ABSENT)) for s in snapshots]
-        kind = classify(track[0][1], track, values.get(name, _ABSENT))
-        if kind is not None and kind.startswith("unmergeable: "):
-            unmergeable[name] = kind[len("unmergeable: "):]
-        elif kind is not None:
-            kinds[name] = kind
-    return kinds, unmergeable
+def _merge_append(label: str, per_rank: Sequence[Tuple[int, Any]]) -> list:
+    return _ordered_chunks(per_rank)
+
+
+def _merge_keys(label: str, per_rank: Sequence[Tuple[int, Any]]) -> Tuple[list, dict]:
+    new_items = _ordered_chunks([(rank, data[:3]) for rank, data in per_rank])
+    replaced: Dict[Any, Any] = {}
+    seen = set()
+    for key in itertools.chain((k for k, _ in new_items), (k for _, d in per_rank for k in d[3])):
+        if key in seen:
+            raise ConfigError(
+                f"ddp_eval: key {key!r} of dict attribute '{label}' was set by more than one "
+                "batch (on different ranks, or added twice), so the dict cannot be merged; "
+                "expected each key set once per stage (e.g. one per utterance id). "
+                f"Accumulate in a list or a counter instead, or list '{label}' in "
+                "ddp_eval: attributes_exclude."
+            )
+        seen.add(key)
+    for _, data in per_rank:
+        replaced.update(data[3])
+    return new_items, replaced
+
+
+def _merge_sum(label: str, per_rank: Sequence[Tuple[int, Any]]) -> Any:
+    total = None
+    for _, value in per_rank:
+        total = value if total is None else total + value
+    return total
+
+
+def _merge_accumulate(label: str, per_rank: Sequence[Tuple[int, Any]]) -> list:
+    if all(data[0] == "batches" for _, data in per_rank):
+        pieces = [(p, rank, inc) for rank, (_, positions, incs) in per_rank for p, inc in zip(positions, incs)]
+        return [inc for _, _, inc in sorted(pieces, key=lambda p: p[:2])]
+    totals = []
+    for _, data in per_rank:  # some rank went over budget: one total per rank, in rank order
+        if data[0] == "total":
+            totals.append(data[1])
+        elif data[2]:
+            totals.append(_merge_sum(label, [(0, inc) for inc in data[2]]))
+    return totals
+
+
+_MERGERS = {"append": _merge_append, "keys": _merge_keys, "sum": _merge_sum, "accumulate": _merge_accumulate}

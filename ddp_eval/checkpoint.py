@@ -28,8 +28,11 @@ import logging
 import os
 import pathlib
 import shutil
+import struct
+import sys
 import time
 import uuid
+import zipfile
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import yaml
@@ -38,7 +41,7 @@ from speechbrain.utils.distributed import MainProcessContext, main_process_only
 
 from ddp_eval import dist
 from ddp_eval.config import check_choice
-from ddp_eval.errors import CheckpointWriteError, StorageError
+from ddp_eval.errors import CheckpointLoadError, CheckpointWriteError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ TMP_PREFIX = ".ddp_eval-tmp-"
 TRASH_PREFIX = ".ddp_eval-trash-"
 STORAGE_MODES = ("shared", "node_local")
 UNSUPPORTED_STORAGE_ACTIONS = ("error", "fallback")
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
 _MAIN_ONLY_CODE = main_process_only(lambda: None).__code__
 
 
@@ -93,14 +97,47 @@ def _file_digest(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
+def paramfile_problem(path: pathlib.Path) -> Optional[str]:
+    """Why a parameter file without a manifest entry cannot be loaded, or None.
+
+    A file that ``torch.save`` wrote (a zip archive) must have its central
+    directory, and every entry must lie within the file: a truncated archive
+    has neither. Other files (a legacy pickle, a custom saver's format) must
+    exist and not be empty.
+    """
+    size = path.stat().st_size
+    if size == 0:
+        return f"parameter file {path.name} is empty"
+    with open(path, "rb") as f:
+        if f.read(4) != ZIP_MAGIC:
+            return None
+        try:
+            with zipfile.ZipFile(f) as archive:
+                for info in archive.infolist():
+                    f.seek(info.header_offset)
+                    header = f.read(30)
+                    if len(header) < 30 or header[:4] != ZIP_MAGIC:
+                        return f"parameter file {path.name}: entry {info.filename} has no header"
+                    name_len, extra_len = struct.unpack("<HH", header[26:30])
+                    end = info.header_offset + 30 + name_len + extra_len + info.compress_size
+                    if end > size:
+                        return (f"parameter file {path.name}: entry {info.filename} ends at byte "
+                                f"{end}, past the end of the file ({size} bytes)")
+        except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
+            return (f"parameter file {path.name} is not a readable zip archive "
+                    f"({type(exc).__name__}: {exc}); truncated or damaged")
+    return None
+
+
 def inspect_checkpoint_dir(
     path: pathlib.Path, verify_checksums: bool = True, required: Iterable[str] = ()
 ) -> Tuple[Optional[str], dict]:
     """Returns ``(problem, meta)``; ``problem`` is None for a complete checkpoint.
 
     A checkpoint with a ddp_eval manifest must hold every listed file at its
-    recorded size. One without (written by SpeechBrain) must have a valid meta
-    file and a non-empty ``<name>.ckpt`` for each name in ``required``.
+    recorded size. One without (written by SpeechBrain, which writes the meta
+    file first) must have a valid meta file, a ``<name>.ckpt`` for each name in
+    ``required``, and every ``.ckpt`` file must pass :func:`paramfile_problem`.
     """
     try:
         with open(path / sb_ckpt.METAFNAME, encoding="utf-8") as f:
@@ -112,8 +149,12 @@ def inspect_checkpoint_dir(
     if MANIFEST_KEY not in meta:
         for name in required:
             file = path / f"{name}{sb_ckpt.PARAMFILE_EXT}"
-            if not file.is_file() or file.stat().st_size == 0:
-                return f"parameter file {file.name} is missing or empty", meta
+            if not file.is_file():
+                return f"parameter file {file.name} is missing", meta
+        for file in sorted(path.glob(f"*{sb_ckpt.PARAMFILE_EXT}")):
+            problem = paramfile_problem(file)
+            if problem:
+                return problem, meta
     for name, info in (meta.get(MANIFEST_KEY) or {}).items():
         file = path / name
         if not file.is_file():
@@ -449,6 +490,24 @@ class Checkpointer(sb_ckpt.Checkpointer):
         dist.exchange("find checkpoint: local copy", error=error, timeout=self.timeout)
         return ckpt
 
+    def load_checkpoint(self, checkpoint: sb_ckpt.Checkpoint) -> None:
+        """Why: a load that fails on one rank is raised on every rank, naming the
+        checkpoint and the file."""
+        error = None
+        try:
+            super().load_checkpoint(checkpoint)
+        except Exception as exc:
+            name, file = _loading(sys.exc_info()[2])
+            what = f"recoverable '{name}' from {file}" if file else f"checkpoint {checkpoint.path}"
+            error = CheckpointLoadError(
+                f"ddp_eval: rank {dist.get_rank()} could not load {what} (checkpoint "
+                f"{checkpoint.path}): {type(exc).__name__}: {exc}. Expected a file that its "
+                "recoverable's load hook accepts; move the checkpoint away to resume from the "
+                "previous one, or fix the recoverable's definition."
+            )
+            error.__cause__ = exc
+        dist.exchange("checkpoint load", error=error, timeout=self.timeout)
+
     def recover_if_possible(
         self, importance_key=None, max_key: Optional[str] = None, min_key: Optional[str] = None,
         ckpt_predicate=None,
@@ -458,3 +517,14 @@ class Checkpointer(sb_ckpt.Checkpointer):
             with dist.fail_together("checkpoint directory cleanup"):
                 self._prepare_directory()
         return super().recover_if_possible(importance_key, max_key, min_key, ckpt_predicate)
+
+
+def _loading(traceback) -> Tuple[Optional[str], Optional[pathlib.Path]]:
+    """``(recoverable name, file)`` that SpeechBrain's load loop was at when it failed."""
+    found = (None, None)
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if frame.f_code.co_name == "_call_load_hooks" and "loadpath" in frame.f_locals:
+            found = (frame.f_locals.get("name"), frame.f_locals["loadpath"])
+        traceback = traceback.tb_next
+    return found

@@ -8,7 +8,7 @@ Example
 >>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
 Traceback (most recent call last):
 ...
-ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, shard_test, shard_valid, stream_split
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, shard_test, shard_valid, stream_split
 """
 
 from dataclasses import dataclass, field, fields
@@ -43,13 +43,20 @@ class DDPEvalConfig:
         ranks that did not arrive (default 600).
     attributes_include : list of str, optional
         Plain Brain attributes (lists, dicts, counters, accumulators) to merge
-        after a sharded stage; default: every attribute that changed.
+        after a sharded stage; default: every attribute that changed. Names
+        with a dot are paths to state outside the Brain, merged with the same
+        rules (e.g. ``hparams.aligner.align_dict``); they add to the Brain's
+        attributes, which only names without a dot restrict.
     attributes_exclude : list of str
         Brain attributes never merged (they stay rank-local, without warning).
     on_unmergeable_attribute : str
         What to do when an attribute changed during a sharded stage in a way
         that cannot be merged (e.g. replaced by a new object): ``"warn"``
         (default: log a warning naming it) or ``"error"``.
+    attribute_memory_mb : float
+        Memory per rank for the per-batch increments of float tensor
+        attributes (default 64), which keep single-process order; beyond it,
+        each rank sends one total per attribute (warned about once).
     stream_split : str
         How an ``IterableDataset`` VALID/TEST set is split: ``"batches"``
         (default: every rank reads the whole stream and evaluates its share of
@@ -67,6 +74,7 @@ class DDPEvalConfig:
     attributes_include: Optional[List[str]] = None
     attributes_exclude: List[str] = field(default_factory=list)
     on_unmergeable_attribute: str = "warn"
+    attribute_memory_mb: float = 64.0
     stream_split: str = "batches"
 
     @classmethod
@@ -101,6 +109,9 @@ class DDPEvalConfig:
         timeout = self.collective_timeout
         ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
         _expect("collective_timeout", timeout, ok, "a number of seconds > 0")
+        budget = self.attribute_memory_mb
+        ok = isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget >= 0
+        _expect("attribute_memory_mb", budget, ok, "a number of megabytes >= 0")
         check_choice("on_unmergeable_attribute", self.on_unmergeable_attribute, ("warn", "error"))
         check_choice("stream_split", self.stream_split, ("batches", "by_dataset"))
 

@@ -32,5 +32,9 @@ class CheckpointWriteError(DDPEvalError):
     """Writing a checkpoint failed on the writing rank; the previous one is intact."""
 
 
+class CheckpointLoadError(DDPEvalError):
+    """Loading a chosen checkpoint failed; raised on every rank, naming the file."""
+
+
 class StorageError(DDPEvalError):
     """The checkpoint storage lacks atomic rename or fsync and fallback is off."""

@@ -2,9 +2,10 @@
 
 A metric object's state is its list fields (ids, scores, predictions, ...,
 one entry per utterance) and its numeric fields (``AccuracyStats.correct``,
-``total``). During a sharded stage, the mixin snapshots list lengths and
-numbers after every batch; each rank then sends the entries it appended, cut
-per batch and tagged with the batch's global position. :func:`merge_metric_stats`
+``total``). During a sharded stage, a :class:`MetricRecorder` notes after
+every batch which list fields grew and to what length (nothing is copied); each
+rank then sends the entries it appended, cut per batch and tagged with the
+batch's global position. :func:`merge_metric_stats`
 (a pure function) puts the pieces back in global batch order, so the merged
 object holds exactly what one process would have appended, in the same order:
 ``summarize()`` and ``write_stats()`` give single-process results bit for bit.
@@ -20,6 +21,7 @@ Example
 ['a', 'b', 'c']
 """
 
+import itertools
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -62,23 +64,78 @@ def find_metric_objects(
     >>> sorted(find_metric_objects(h))
     ['acc', 'several[a]']
     """
-    found: Dict[str, Any] = {}
-    seen = set()
-    for name in sorted(vars(owner)):
-        if name in exclude or (include is not None and name not in include):
-            continue
-        value = vars(owner)[name]
-        if isinstance(value, Mapping):
-            candidates = [(f"{name}[{k}]", v) for k, v in value.items()]
-        elif isinstance(value, (list, tuple)):
-            candidates = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return MetricFinder(include, exclude).find(owner)
+
+
+class MetricFinder:
+    """:func:`find_metric_objects`, incremental: a list or dict attribute that
+    kept its identity is searched only in the items it gained since the last
+    call, so a growing list of floats on the Brain costs nothing per batch.
+
+    Example
+    -------
+    >>> class Holder:
+    ...     pass
+    >>> h, finder = Holder(), MetricFinder()
+    >>> h.scores = [0.5] * 1000
+    >>> finder.find(h)
+    {}
+    >>> h.scores.append(AccuracyStats())
+    >>> list(finder.find(h))
+    ['scores[1000]']
+    """
+
+    def __init__(self, include: Optional[Sequence[str]] = None, exclude: Sequence[str] = ()) -> None:
+        self.include, self.exclude = include, set(exclude)
+        self._seen: Dict[str, Tuple[Any, int, Dict[str, Tuple[Any, Any]]]] = {}
+
+    def find(self, owner: Any) -> Dict[str, Any]:
+        """``{path: metric object}`` held by ``owner`` now, sorted by path, each object once."""
+        found: Dict[str, Any] = {}
+        ids = set()
+        seen = {}
+        for name, value in sorted(vars(owner).items()):
+            if name in self.exclude or (self.include is not None and name not in self.include):
+                continue
+            here = self._scan(name, value)
+            seen[name] = (value, len(value) if isinstance(value, (dict, list)) else 0, here)
+            for path, (_, obj) in here.items():
+                if id(obj) not in ids:
+                    ids.add(id(obj))
+                    found[path] = obj
+        self._seen = seen
+        return dict(sorted(found.items()))
+
+    def _scan(self, name: str, value: Any) -> Dict[str, Tuple[Any, Any]]:
+        """``{path: (key, metric object)}`` of one attribute."""
+        previous = self._seen.get(name)
+        if (isinstance(value, (dict, list)) and previous is not None and previous[0] is value
+                and previous[1] <= len(value)):
+            # Known container: check what was found is still there, then scan new items only.
+            here = {}
+            for path, (key, _) in previous[2].items():  # still a metric object at that key?
+                now = value.get(key) if isinstance(value, dict) else value[key]
+                if isinstance(now, METRIC_TYPES):
+                    here[path] = (key, now)
+            if isinstance(value, dict):
+                new_keys = list(itertools.islice(reversed(value), len(value) - previous[1]))[::-1]
+                items = ((k, value[k]) for k in new_keys)
+            else:
+                items = ((i, value[i]) for i in range(previous[1], len(value)))
         else:
-            candidates = [(name, value)]
-        for path, obj in candidates:
-            if isinstance(obj, METRIC_TYPES) and id(obj) not in seen:
-                seen.add(id(obj))
-                found[path] = obj
-    return dict(sorted(found.items()))
+            here = {}
+            if isinstance(value, Mapping):
+                items = value.items()
+            elif isinstance(value, (list, tuple)):
+                items = enumerate(value)
+            else:
+                items = ()
+                if isinstance(value, METRIC_TYPES):
+                    here[name] = (None, value)
+        for key, obj in items:
+            if isinstance(obj, METRIC_TYPES):
+                here[f"{name}[{key}]"] = (key, obj)
+        return here
 
 
 def _flatten(path: str, obj: Any) -> Iterable[Tuple[str, Any]]:
@@ -129,46 +186,88 @@ def _unpack(packed: Any) -> list:
     return list(packed.unbind(0)) if isinstance(packed, torch.Tensor) else packed
 
 
-def local_state(
-    objects: Mapping[str, Any],
-    snapshots: Sequence[Snapshot],
-    global_batch_ids: Sequence[int],
-) -> Dict[str, Dict[str, Any]]:
-    """What this rank appended during the stage, cut per batch.
+class MetricRecorder:
+    """Records, batch by batch, how long the list fields of every (nested)
+    metric object are, for :func:`merge_metric_stats` to cut what each batch
+    appended. Per batch it stores one ``(batch, length)`` pair per list field
+    that grew, nothing for the others: O(fields) time and memory per batch,
+    whatever the metric objects hold.
 
     Arguments
     ---------
-    objects : mapping
-        ``{path: metric object}`` as found by :func:`find_metric_objects`.
-    snapshots : list
-        Snapshot at stage start, then one after each batch.
-    global_batch_ids : list of int
-        Global position of each evaluated batch (one per snapshot after the first).
+    finder : MetricFinder
+        Finds the metric objects of the owner (e.g. the Brain).
+    owner : object
+        Holder of the metric objects; recorded as they are now (stage start).
 
-    Returns
+    Example
     -------
-    dict
-        ``{path: {"lists": {field: (positions, sizes, items)}, "numbers": {field: delta}}}``:
-        ``items`` are the new entries, ``sizes[i]`` of them appended during the
-        batch at global position ``positions[i]`` (``inf``: after the last batch).
+    >>> class Holder:
+    ...     pass
+    >>> h = Holder()
+    >>> h.err = MetricStats(metric=lambda x: x)
+    >>> recorder = MetricRecorder(MetricFinder(), h)
+    >>> h.err.ids.extend(["a", "b"]); h.err.scores.extend([1.0, 2.0])
+    >>> objects = recorder.after_batch(h)
+    >>> state = recorder.finish(h, positions=[3])
+    >>> state["err"]["lists"]["ids"]
+    ([3], [2], ['a', 'b'])
     """
-    end = snapshot(objects)
-    batches = len(snapshots) - 1
-    state: Dict[str, Dict[str, Any]] = {}
-    for path, sub in _all_flat(objects):
-        lists, numbers = {}, {}
-        for name, final in end[path].items():
-            value = vars(sub)[name]
-            if isinstance(value, list):
-                # interval i = batch i; the last interval: after all batches
-                bounds = [s.get(path, {}).get(name, 0) for s in snapshots] + [final]
-                sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-                positions = list(global_batch_ids[:batches]) + [math.inf]
-                lists[name] = (positions, sizes, _pack(value[bounds[0] :]))
-            else:
-                numbers[name] = final - snapshots[0].get(path, {}).get(name, 0)
-        state[path] = {"lists": lists, "numbers": numbers}
-    return state
+
+    def __init__(self, finder: MetricFinder, owner: Any) -> None:
+        self.finder = finder
+        self.objects = finder.find(owner)
+        self.start: Snapshot = snapshot(self.objects)
+        self.batches = 0
+        self._last: Dict[Tuple[str, str], int] = {}
+        self._changes: Dict[Tuple[str, str], List[Tuple[int, int]]] = {}
+        for path, sub in _all_flat(self.objects):
+            for name, value in vars(sub).items():
+                if isinstance(value, list):
+                    self._last[(path, name)] = len(value)
+
+    def after_batch(self, owner: Any) -> Dict[str, Any]:
+        """Notes the list lengths after a batch; returns the metric objects found."""
+        self.objects = self.finder.find(owner)
+        self._note(self.batches)
+        self.batches += 1
+        return self.objects
+
+    def _note(self, batch: int) -> None:
+        for path, sub in _all_flat(self.objects):
+            for name, value in vars(sub).items():
+                if isinstance(value, list):
+                    key = (path, name)
+                    if len(value) != self._last.get(key, 0):
+                        self._changes.setdefault(key, []).append((batch, len(value)))
+                        self._last[key] = len(value)
+
+    def finish(self, owner: Any, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
+        """What this rank appended during the stage, cut per batch.
+
+        ``positions`` are the global positions of this rank's batches. Returns
+        ``{path: {"lists": {field: (positions, sizes, items)}, "numbers":
+        {field: delta}}}``: ``items`` are the new entries, ``sizes[i]`` of them
+        appended during the batch at ``positions[i]`` (``inf``: after the last batch).
+        """
+        self.objects = self.finder.find(owner)
+        self._note(self.batches)  # anything appended after the last batch
+        places = list(positions[: self.batches]) + [math.inf]
+        state: Dict[str, Dict[str, Any]] = {}
+        for path, sub in _all_flat(self.objects):
+            lists, numbers = {}, {}
+            before = self.start.get(path, {})
+            for name, value in vars(sub).items():
+                if isinstance(value, list):
+                    first = before.get(name, 0)
+                    changes = self._changes.get((path, name), [])
+                    bounds = [first] + [n for _, n in changes]
+                    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+                    lists[name] = ([places[i] for i, _ in changes], sizes, _pack(value[first:]))
+                elif _is_number(value):
+                    numbers[name] = value - before.get(name, 0)
+            state[path] = {"lists": lists, "numbers": numbers}
+        return state
 
 
 def merge_metric_stats(rank_states: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:

@@ -11,25 +11,19 @@ import speechbrain as sb
 import torch
 
 from ddp_eval import dist
-from ddp_eval.attributes import (
-    apply_attributes,
-    attribute_kinds,
-    local_attribute_state,
-    merge_attribute_states,
-    snapshot_attributes,
-)
+from ddp_eval.attributes import AttributeTracker, merge_attribute_states, resolve
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.consistency import check_states_agree, state_summaries
 from ddp_eval.errors import ConfigError, DDPEvalError
 from ddp_eval.metrics import (
+    MetricFinder,
+    MetricRecorder,
     apply_merged,
     check_same_objects,
     describe_objects,
-    find_metric_objects,
-    local_state,
     merge_metric_stats,
-    snapshot,
 )
+from ddp_eval.outside import changed_outside, outside_markers
 from ddp_eval.sharding import global_batch_ids, is_sharded, shard_dataloader
 
 logger = logging.getLogger(__name__)
@@ -53,8 +47,9 @@ class _StageRun:
     stage: Any
     sharded: bool
     loader: Any = None
-    snapshots: list = field(default_factory=list)  # metric objects
-    attribute_snapshots: list = field(default_factory=list)  # plain Brain attributes
+    metrics: Optional[MetricRecorder] = None  # list lengths of metric objects, per batch
+    attributes: Optional[AttributeTracker] = None  # Brain attributes and included paths
+    outside: Dict[str, Any] = field(default_factory=dict)  # state outside the Brain at start
     loss_sum: float = 0.0
     loss_count: int = 0
 
@@ -145,9 +140,9 @@ class DDPEvalMixin:
             if torch.isfinite(torch.as_tensor(loss)):
                 run.loss_sum += float(loss)
                 run.loss_count += 1
-            objects = self._ddp_metric_objects()
-            run.snapshots.append(snapshot(objects))
-            run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names(objects)))
+            objects = run.metrics.after_batch(self)
+            run.attributes.add({n: (self, n) for n in self._ddp_attribute_names(objects)})
+            run.attributes.after_batch()
         return super().update_average(loss, avg_loss)
 
     # -- internals ---------------------------------------------------------
@@ -157,20 +152,35 @@ class DDPEvalMixin:
         wanted = {sb.Stage.VALID: cfg.shard_valid, sb.Stage.TEST: cfg.shard_test}
         return wanted.get(stage, False) and dist.get_world_size() > 1
 
-    def _ddp_metric_objects(self):
-        cfg = self.ddp_eval_config
-        return find_metric_objects(self, cfg.metrics_include, cfg.metrics_exclude)
-
     def _ddp_attribute_names(self, metric_objects) -> List[str]:
         """Plain attributes of the recipe's Brain that may be merged (not those
-        holding the ``metric_objects`` found by :meth:`_ddp_metric_objects`)."""
+        holding the ``metric_objects`` found)."""
         cfg = self.ddp_eval_config
         metric_holders = {path.split("[")[0] for path in metric_objects}
         names = set(vars(self)) - self._ddp_brain_attributes - metric_holders - set(cfg.attributes_exclude)
         names -= {"on_stage_start", "on_stage_end", "ddp_eval_config"}  # the mixin's own
-        if cfg.attributes_include is not None:
-            names &= set(cfg.attributes_include)
+        plain = [n for n in cfg.attributes_include or () if "." not in n]
+        if plain:  # names without a dot restrict the Brain's attributes; paths only add
+            names &= set(plain)
         return sorted(n for n in names if not n.startswith("_ddp"))
+
+    def _ddp_attribute_targets(self, metric_objects) -> Dict[str, Any]:
+        """``{label: (owner, name)}``: Brain attributes, then dotted paths to merge."""
+        cfg = self.ddp_eval_config
+        targets = {n: (self, n) for n in self._ddp_attribute_names(metric_objects)}
+        for path in cfg.attributes_include or ():
+            if "." in path and path not in cfg.attributes_exclude:
+                targets[path] = resolve(self, path)
+        return targets
+
+    def _ddp_locate(self, label: str):
+        return resolve(self, label) if "." in label else (self, label)
+
+    def _ddp_outside_markers(self):
+        """State outside the Brain (hparams, recoverables), minus what the Brain
+        itself holds as mergeable attributes."""
+        own = [id(v) for v in vars(self).values() if isinstance(v, (list, dict, torch.Tensor))]
+        return outside_markers(self, skip_ids=own)
 
     def _ddp_wrap_stage_start(self, user_on_stage_start):
         def on_stage_start(stage, epoch=None):
@@ -179,9 +189,11 @@ class DDPEvalMixin:
             run = _StageRun(stage, stage != sb.Stage.TRAIN and is_sharded(loader), loader)
             if run.sharded:
                 dist.sync_ddp_buffers(list(self.modules.values()), f"{stage.name} stage start")
-                objects = self._ddp_metric_objects()
-                run.snapshots.append(snapshot(objects))
-                run.attribute_snapshots.append(snapshot_attributes(self, self._ddp_attribute_names(objects)))
+                cfg = self.ddp_eval_config
+                run.metrics = MetricRecorder(MetricFinder(cfg.metrics_include, cfg.metrics_exclude), self)
+                run.attributes = AttributeTracker(self._ddp_attribute_targets(run.metrics.objects),
+                                                  cfg.attribute_memory_mb)
+                run.outside = self._ddp_outside_markers()
             self._ddp_run = run
 
         on_stage_start.__doc__ = user_on_stage_start.__doc__
@@ -224,50 +236,70 @@ class DDPEvalMixin:
             return stage_loss  # every rank evaluated everything itself
         # Everything that can fail on one rank happens before the exchange, so a
         # failure is reported there instead of leaving the others in a collective.
-        error, objects, packed, kinds, unmergeable = None, {}, None, {}, {}
+        error, objects, packed, unmergeable, outside = None, {}, None, {}, {}
         try:
-            objects = self._ddp_metric_objects()
-            batch_ids = global_batch_ids(run.loader)
-            kinds, unmergeable = attribute_kinds(
-                self, self._ddp_attribute_names(objects), run.attribute_snapshots)
-            packed = pickle.dumps((
-                local_state(objects, run.snapshots, batch_ids),
-                local_attribute_state(self, kinds, run.attribute_snapshots, batch_ids)))
+            positions = global_batch_ids(run.loader)
+            metric_state = run.metrics.finish(self, positions)
+            objects = run.metrics.objects
+            _, unmergeable, attribute_state = run.attributes.finish(positions)
+            excluded = set(self.ddp_eval_config.attributes_exclude) | set(run.attributes.tracks)
+            outside = {label: why for label, why in
+                       changed_outside(run.outside, self._ddp_outside_markers()).items()
+                       if label not in excluded}
+            packed = pickle.dumps((metric_state, attribute_state))
         except Exception as exc:
             error = exc
         per_rank = dist.exchange(f"{stage.name} stage end",
-                                 (describe_objects(objects), unmergeable), error=error)
+                                 (describe_objects(objects), unmergeable, outside), error=error)
         check_same_objects([p[0] for p in per_rank], stage.name)
-        self._ddp_report_unmergeable(stage, [p[1] for p in per_rank])
+        self._ddp_report_unmergeable(stage, [p[1] for p in per_rank], [p[2] for p in per_rank])
         total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
         with _gc_paused():  # unpickling many small objects triggers costly full GCs
             states = [pickle.loads(blob) for blob in dist.all_gather_object(packed)]
-            apply_merged(objects, run.snapshots[0], merge_metric_stats([m for m, _ in states]))
-            apply_attributes(self, run.attribute_snapshots[0],
-                             merge_attribute_states([a for _, a in states]))
+            apply_merged(objects, run.metrics.start, merge_metric_stats([m for m, _ in states]))
+            run.attributes.apply(merge_attribute_states([a for _, a in states]), self._ddp_locate)
         loss = total / count if count else 0.0
         self._ddp_global_loss[stage] = loss
         return loss
 
-    def _ddp_report_unmergeable(self, stage, per_rank: List[Dict[str, str]]) -> None:
-        """Warns (rank 0) or raises (every rank) about attributes left rank-local."""
-        found: Dict[str, str] = {}
-        for rank, unmergeable in enumerate(per_rank):
-            for name, why in unmergeable.items():
-                found.setdefault(name, f"{why} (first seen on rank {rank})")
-        if not found:
+    def _ddp_report_unmergeable(self, stage, unmergeable: List[Dict[str, str]],
+                                outside: List[Dict[str, str]]) -> None:
+        """Warns (rank 0) or raises (every rank) about state left rank-local."""
+        messages = []
+        name = stage.name.lower()
+        found = _first_seen(unmergeable)
+        if found:
+            messages.append(
+                f"ddp_eval: at the end of the sharded {stage.name} stage, attributes changed "
+                f"in a way that cannot be merged across ranks, so each rank holds only its own "
+                f"batches' values: {found}. Expected lists that only grow, dicts that gain keys "
+                "or replace values, numbers or fixed-shape tensors that accumulate. Compute the "
+                "value in on_stage_end from merged state, or list the attribute in "
+                f"ddp_eval: attributes_exclude (silences this), or set shard_{name}: false."
+            )
+        found = _first_seen(outside)
+        if found:
+            messages.append(
+                f"ddp_eval: during the sharded {stage.name} stage, state outside the Brain "
+                f"changed, so each rank holds only its own batches' share of it: {found}. "
+                "Expected state a stage accumulates on the Brain. To merge it like a Brain "
+                "attribute, list its path in ddp_eval: attributes_include (e.g. "
+                f"[hparams.aligner.align_dict]); or set shard_{name}: false; or list the path "
+                "in ddp_eval: attributes_exclude if it is rank-local on purpose."
+            )
+        if not messages:
             return
-        detail = "; ".join(f"'{name}': {why}" for name, why in sorted(found.items()))
-        message = (
-            f"ddp_eval: at the end of the sharded {stage.name} stage, Brain attributes "
-            f"changed in a way that cannot be merged across ranks, so each rank holds only "
-            f"its own batches' values: {detail}. Expected lists that only grow, dicts that "
-            "only gain keys, numbers or fixed-shape tensors that accumulate. Compute the "
-            "value in on_stage_end from merged state, or list the attribute in "
-            "ddp_eval: attributes_exclude (silences this), or set shard_"
-            f"{stage.name.lower()}: false."
-        )
         if self.ddp_eval_config.on_unmergeable_attribute == "error":
-            raise ConfigError(message)
+            raise ConfigError(" ".join(messages))
         if dist.get_rank() == 0:
-            logger.warning(message)
+            for message in messages:
+                logger.warning(message)
+
+
+def _first_seen(per_rank: List[Dict[str, str]]) -> str:
+    """``'name': why (first seen on rank r); ...`` over the ranks' reports."""
+    found: Dict[str, str] = {}
+    for rank, report in enumerate(per_rank):
+        for name, why in report.items():
+            found.setdefault(name, f"{why} (first seen on rank {rank})")
+    return "; ".join(f"'{name}': {why}" for name, why in sorted(found.items()))

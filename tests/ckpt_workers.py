@@ -139,3 +139,21 @@ def guarded_saves(rank, world_size, directory):
     except ddp_eval.DDPEvalError as error:
         return found.meta["version"], type(error).__name__, str(error)
     return found.meta["version"], None, None
+
+
+def recover_with_warnings(rank, world_size, directory):
+    """Resumes a toy model + epoch counter from `directory`; returns what loaded
+    and the warnings ddp_eval logged, or the error."""
+    import logging
+
+    import speechbrain as sb
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    model, counter = torch.nn.Linear(64, 64), sb.utils.epoch_loop.EpochCounter(10)
+    ckpter = ddp_eval.Checkpointer(directory, recoverables={"model": model, "counter": counter})
+    found = ckpter.recover_if_possible()
+    return {"found": found.path.name, "weight": float(model.weight[0, 0]), "counter": counter.current,
+            "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}

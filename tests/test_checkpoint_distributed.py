@@ -11,6 +11,7 @@ import torch
 
 from ddp_eval.checkpoint import TMP_PREFIX
 from tests import ckpt_workers as w
+from tests import kill_points
 from tests.mp_harness import results, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -141,3 +142,41 @@ def test_saves_guarded_by_run_on_main_work_and_bare_guards_fail_clearly(tmp_path
         assert version == 1  # saved under run_on_main, found on both ranks
         assert error == "OutOfStepError", message
         assert "'checkpoint save: begin'" in message and "'delete checkpoints: begin'" in message
+
+
+def _speechbrain_saves(directory):
+    """Two checkpoints written by SpeechBrain's own Checkpointer (meta file first)."""
+    saved = []
+    for version in (1, 2):
+        model, counter = kill_points.model_for(version), sb.utils.epoch_loop.EpochCounter(10)
+        counter.current = version
+        ckpter = sb.utils.checkpoints.Checkpointer(directory, {"model": model, "counter": counter})
+        saved.append(ckpter.save_checkpoint(name=f"v{version}"))
+    return saved
+
+
+@pytest.mark.parametrize("damage", ["truncated model", "missing model", "empty meta file"])
+def test_damaged_speechbrain_checkpoint_is_skipped_on_every_rank(damage, tmp_path):
+    good, bad = _speechbrain_saves(tmp_path)
+    model_file = bad.path / "model.ckpt"
+    if damage == "truncated model":
+        model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
+    elif damage == "missing model":
+        model_file.unlink()
+    else:
+        (bad.path / "CKPT.yaml").write_bytes(b"")
+    per_rank = results(run_ranks(w.recover_with_warnings, 2, str(tmp_path), timeout=60))
+    for out in per_rank:
+        assert (out["found"], out["weight"], out["counter"]) == (good.path.name, 1.0, 1)
+    warnings = per_rank[0]["warnings"] + per_rank[1]["warnings"]
+    assert any(f"skipping incomplete checkpoint {bad.path}" in m for m in warnings), warnings
+
+
+def test_a_load_that_fails_names_checkpoint_and_file_on_every_rank(tmp_path):
+    _, newest = _speechbrain_saves(tmp_path)
+    (newest.path / "counter.ckpt").write_text("not a number")  # exists, not a zip: passes the checks
+    outcomes = run_ranks(w.recover_with_warnings, 2, str(tmp_path), timeout=60)
+    for rank, outcome in enumerate(outcomes):  # both ranks read the same file, both fail
+        assert outcome.get("error") == "CheckpointLoadError", outcome
+        assert f"rank {rank} could not load recoverable 'counter' from {newest.path / 'counter.ckpt'}" \
+            in outcome["message"]

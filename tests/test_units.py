@@ -1,6 +1,7 @@
 """Single-process tests: config validation, sharding, the pure merge, no-op without a group."""
 
 import random
+import types
 
 import pytest
 import speechbrain as sb
@@ -8,7 +9,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import ddp_eval
-from ddp_eval.metrics import local_state, merge_metric_stats, snapshot
+from ddp_eval.metrics import MetricFinder, MetricRecorder, merge_metric_stats
 from ddp_eval.sharding import ShardedBatchSampler, shard_batches
 from tests import toy
 
@@ -55,9 +56,8 @@ def test_merge_restores_single_process_order_for_any_split():
     rng = random.Random(0)
     for world in (1, 2, 3, 4):
         single = sb.utils.metric_stats.ErrorRateStats()
-        ranks = [sb.utils.metric_stats.ErrorRateStats() for _ in range(world)]
-        starts = [snapshot({"m": m}) for m in ranks]
-        snaps = [[s] for s in starts]
+        ranks = [types.SimpleNamespace(m=sb.utils.metric_stats.ErrorRateStats()) for _ in range(world)]
+        recorders = [MetricRecorder(MetricFinder(), h) for h in ranks]
         n_batches = rng.randint(0, 9)
         for g in range(n_batches):
             ids = [f"u{g}-{i}" for i in range(rng.randint(1, 3))]
@@ -65,17 +65,17 @@ def test_merge_restores_single_process_order_for_any_split():
             ref = [[rng.choice("ab"), "c"] for _ in ids]
             single.append(ids, hyp, ref)
             owner = ddp_eval.sharding.batch_owner(g, world)
-            ranks[owner].append(ids, hyp, ref)
-            snaps[owner].append(snapshot({"m": ranks[owner]}))
-        states = [local_state({"m": m}, snaps[r], shard_batches(n_batches, r, world))
-                  for r, m in enumerate(ranks)]
+            ranks[owner].m.append(ids, hyp, ref)
+            recorders[owner].after_batch(ranks[owner])
+        states = [rec.finish(h, shard_batches(n_batches, r, world))
+                  for r, (rec, h) in enumerate(zip(recorders, ranks))]
         merged = merge_metric_stats(states)
-        target = sb.utils.metric_stats.ErrorRateStats()
-        ddp_eval.metrics.apply_merged({"m": target}, starts[0], merged)
-        assert target.ids == single.ids
-        assert target.scores == single.scores
-        if n_batches:
-            assert target.summarize() == single.summarize()
+        for rec, h in zip(recorders, ranks):
+            ddp_eval.metrics.apply_merged(rec.objects, rec.start, merged)
+            assert h.m.ids == single.ids
+            assert h.m.scores == single.scores
+            if n_batches:
+                assert h.m.summarize() == single.summarize()
 
 
 def test_without_process_group_mixin_changes_nothing(tmp_path):
@@ -101,18 +101,18 @@ def _simulate_ranks(make_objects, append, n_batches, world):
     """Single-process: deal batches to simulated ranks, merge, return merged objects per rank."""
     single = make_objects()
     ranks = [make_objects() for _ in range(world)]
-    starts = [snapshot(objs) for objs in ranks]
-    snaps = [[s] for s in starts]
+    holders = [types.SimpleNamespace(**objs) for objs in ranks]
+    recorders = [MetricRecorder(MetricFinder(), h) for h in holders]
     for g in range(n_batches):
         append(single, g)
         owner = ddp_eval.sharding.batch_owner(g, world)
         append(ranks[owner], g)
-        snaps[owner].append(snapshot(ranks[owner]))
-    states = [local_state(ranks[r], snaps[r], shard_batches(n_batches, r, world))
-              for r in range(world)]
+        recorders[owner].after_batch(holders[owner])
+    states = [rec.finish(h, shard_batches(n_batches, r, world))
+              for r, (rec, h) in enumerate(zip(recorders, holders))]
     merged = merge_metric_stats(states)
-    for r in range(world):
-        ddp_eval.metrics.apply_merged(ranks[r], starts[r], merged)
+    for rec in recorders:
+        ddp_eval.metrics.apply_merged(rec.objects, rec.start, merged)
     return single, ranks
 
 
@@ -153,31 +153,42 @@ def test_attribute_merge_puts_lists_and_dicts_in_global_batch_order():
     from ddp_eval.attributes import merge_attribute_states
 
     # 4 batches dealt 0, 1, 1, 0; rank 1 appended nothing in batch 2
-    rank0 = {"acc": ("append", ([0, 3, INF], [1, 2, 0], ["a", "d1", "d2"])),
-             "pred": ("keys", ([0, 3, INF], [1, 1, 0], [("u0", 1), ("u3", 0)]))}
-    rank1 = {"acc": ("append", ([1, 2, INF], [1, 0, 0], ["b"])),
-             "pred": ("keys", ([1, 2, INF], [1, 1, 0], [("u1", 2), ("u2", 2)]))}
+    rank0 = {"acc": ("append", ([0, 3], [1, 2], ["a", "d1", "d2"])),
+             "pred": ("keys", ([0, 3], [1, 1], [("u0", 1), ("u3", 0)], {"old": 9}))}
+    rank1 = {"acc": ("append", ([1], [1], ["b"])),
+             "pred": ("keys", ([1, 2], [1, 1], [("u1", 2), ("u2", 2)], {}))}
     merged = merge_attribute_states([rank0, rank1])
     assert merged["acc"] == ("append", ["a", "b", "d1", "d2"])
-    assert merged["pred"] == ("keys", [("u0", 1), ("u1", 2), ("u2", 2), ("u3", 0)])
+    assert merged["pred"] == ("keys", ([("u0", 1), ("u1", 2), ("u2", 2), ("u3", 0)], {"old": 9}))
 
 
 def test_attribute_merge_sums_counters_and_orders_float_increments():
     from ddp_eval.attributes import merge_attribute_states
 
-    rank0 = {"n": ("sum", ([0, INF], [3, 0])), "total": ("accumulate", ([0, 2, INF], [0.1, 0.3, 0.0]))}
-    rank1 = {"n": ("sum", ([1, INF], [2, 0])), "total": ("accumulate", ([1, INF], [0.2, 0.0]))}
+    rank0 = {"n": ("sum", 3), "total": ("accumulate", ("batches", [0, 2], [0.1, 0.3]))}
+    rank1 = {"n": ("sum", 2), "total": ("accumulate", ("batches", [1, INF], [0.2, 0.0]))}
     rank2 = {}  # a rank without a batch changed nothing
     merged = merge_attribute_states([rank0, rank1, rank2])
     assert merged["n"] == ("sum", 5)
-    assert merged["total"] == ("accumulate", [0.1, 0.2, 0.3, 0.0, 0.0])
+    assert merged["total"] == ("accumulate", [0.1, 0.2, 0.3, 0.0])
+
+
+def test_attribute_merge_over_budget_adds_one_total_per_rank_in_rank_order():
+    from ddp_eval.attributes import merge_attribute_states
+
+    rank0 = {"t": ("accumulate", ("total", torch.tensor([1.0])))}
+    rank1 = {"t": ("accumulate", ("batches", [1, 3], [torch.tensor([2.0]), torch.tensor([4.0])]))}
+    kind, totals = merge_attribute_states([rank0, rank1])["t"]
+    assert kind == "accumulate" and [float(t) for t in totals] == [1.0, 6.0]
 
 
 @pytest.mark.parametrize("states,match", [
-    ([{"d": ("keys", ([0, INF], [1, 0], [("u1", 1)]))},
-      {"d": ("keys", ([1, INF], [1, 0], [("u1", 2)]))}], "key 'u1' was added to Brain attribute 'd'"),
-    ([{"x": ("sum", ([0, INF], [1, 0]))},
-      {"x": ("accumulate", ([1, INF], [0.5, 0.0]))}], "'x' changed as 'sum' on one rank and as 'accumulate'"),
+    ([{"d": ("keys", ([0], [1], [("u1", 1)], {}))},
+      {"d": ("keys", ([1], [1], [("u1", 2)], {}))}], "key 'u1' of dict attribute 'd' was set by more"),
+    ([{"d": ("keys", ([], [], [], {"u1": 1}))},
+      {"d": ("keys", ([], [], [], {"u1": 2}))}], "key 'u1' of dict attribute 'd' was set by more"),
+    ([{"x": ("sum", 1)},
+      {"x": ("accumulate", ("batches", [1], [0.5]))}], "'x' changed as 'sum' on one rank and as 'accumulate'"),
 ])
 def test_attribute_merge_refuses_what_one_process_could_not_hold(states, match):
     from ddp_eval.attributes import merge_attribute_states
@@ -186,36 +197,86 @@ def test_attribute_merge_refuses_what_one_process_could_not_hold(states, match):
         merge_attribute_states(states)
 
 
-def test_attribute_kinds_and_local_state_follow_each_batch():
-    from ddp_eval.attributes import apply_attributes, attribute_kinds, local_attribute_state, snapshot_attributes
+def test_attribute_tracker_follows_each_batch_without_copying_unchanged_tensors():
+    from ddp_eval.attributes import AttributeTracker
 
-    class Holder:
-        pass
-
-    h = Holder()
-    h.items, h.count, h.flag, h.replaced, h.vec = [], 0, False, [], torch.zeros(2)
-    names = lambda: [n for n in vars(h)]  # noqa: E731
-    snaps = [snapshot_attributes(h, names())]
+    h = types.SimpleNamespace(items=[], count=0, flag=False, replaced=[], vec=torch.zeros(2),
+                              table=torch.arange(6.0), counts=torch.zeros(3, dtype=torch.long),
+                              seen={"old": 1})
+    targets = lambda: {n: (h, n) for n in vars(h)}  # noqa: E731
+    tracker = AttributeTracker(targets())
+    versions = {"table": h.table._version}
     for batch in range(3):
         h.items.append(batch)
         h.count += 2
         h.vec += 1.0
+        h.counts[batch] += 5
         h.replaced = [batch]
+        h.seen[f"u{batch}"] = batch
         if batch == 1:
             h.late = 10  # created during the stage
-        snaps.append(snapshot_attributes(h, names()))
+            h.seen["old"] = 2  # a value replaced
+        tracker.add(targets())
+        tracker.after_batch()
     h.flag = True
-    kinds, unmergeable = attribute_kinds(h, names(), snaps)
-    assert kinds == {"count": "sum", "items": "append", "late": "sum", "vec": "accumulate"}
+    kinds, unmergeable, state = tracker.finish([0, 3, 6])
+    assert kinds == {"count": "sum", "counts": "sum", "items": "append", "late": "sum",
+                     "seen": "keys", "vec": "accumulate"}
     assert set(unmergeable) == {"flag", "replaced"}
-    state = local_attribute_state(h, kinds, snaps, [0, 3, 6])
-    assert state["items"] == ("append", ([0, 3, 6, INF], [1, 1, 1, 0], [0, 1, 2]))
-    assert state["late"] == ("sum", ([0, 3, 6, INF], [0, 10, 0, 0]))
-    # applying a merge on a rank that had nothing keeps its start and adds the rest
-    other = Holder()
-    other.items, other.count, other.vec = ["kept"], 0, torch.zeros(2)
-    start = snapshot_attributes(other, ["items", "count", "vec"])
-    apply_attributes(other, start, {"items": ("append", [0, 1]), "count": ("sum", 4),
-                                    "late": ("sum", 10), "vec": ("accumulate", [torch.ones(2)] * 3)})
+    assert state["items"] == ("append", ([0, 3, 6], [1, 1, 1], [0, 1, 2]))
+    assert state["seen"] == ("keys", ([0, 3, 6], [1, 1, 1], [("u0", 0), ("u1", 1), ("u2", 2)], {"old": 2}))
+    assert state["late"] == ("sum", 10)
+    assert state["counts"][1].tolist() == [5, 5, 5]  # one increment per rank, not per batch
+    places, increments = state["vec"][1][1:]
+    assert places == [0, 3, 6] and [i.tolist() for i in increments] == [[1.0, 1.0]] * 3
+    assert "table" not in state and h.table._version == versions["table"]  # never changed
+
+
+def test_attribute_tracker_applies_a_merge_on_a_rank_that_had_nothing():
+    from ddp_eval.attributes import AttributeTracker
+
+    other = types.SimpleNamespace(items=["kept"], count=0, vec=torch.zeros(2), seen={"old": 1})
+    tracker = AttributeTracker({n: (other, n) for n in vars(other)})
+    tracker.finish([])
+    tracker.apply({"items": ("append", [0, 1]), "count": ("sum", 4), "late": ("sum", 10),
+                   "vec": ("accumulate", [torch.ones(2)] * 3),
+                   "seen": ("keys", ([("u0", 0)], {"old": 2}))},
+                  locate=lambda label: (other, label))
     assert other.items == ["kept", 0, 1] and other.count == 4 and other.late == 10
     assert other.vec.tolist() == [3.0, 3.0]
+    assert list(other.seen.items()) == [("old", 2), ("u0", 0)]
+
+
+def test_float_tensor_increments_over_the_budget_fall_back_to_one_total(caplog):
+    from ddp_eval.attributes import AttributeTracker
+
+    h = types.SimpleNamespace(acc=torch.zeros(1024, dtype=torch.float64))  # 8 kB per increment
+    tracker = AttributeTracker({"acc": (h, "acc")}, budget_mb=20 / 1024)  # room for 2
+    with caplog.at_level("WARNING"):
+        for _ in range(5):
+            h.acc += 0.5
+            tracker.after_batch()
+    kinds, _, state = tracker.finish([0, 1, 2, 3, 4])
+    assert state["acc"][1][0] == "total" and state["acc"][1][1].unique().tolist() == [2.5]
+    assert tracker.used_bytes == 0
+    assert caplog.text.count("'acc' exceed ddp_eval: attribute_memory_mb") == 1
+    assert "2 (n + N) eps max|value|" in caplog.text
+
+
+def test_metric_finder_scans_only_what_a_container_gained():
+    finder = MetricFinder()
+    h = types.SimpleNamespace(scores=[0.0] * 10, metrics={"a": sb.utils.metric_stats.ErrorRateStats()})
+    assert list(finder.find(h)) == ["metrics[a]"]
+
+    class Exploding(list):
+        def __getitem__(self, index):
+            if isinstance(index, int) and index < 10:
+                raise AssertionError(f"old item {index} scanned again")
+            return super().__getitem__(index)
+
+    h.scores = Exploding(h.scores)
+    finder.find(h)  # a new list: scanned once
+    h.scores.append(sb.utils.metric_stats.ErrorRateStats())
+    assert list(finder.find(h)) == ["metrics[a]", "scores[10]"]
+    h.metrics["a"] = sb.utils.metric_stats.ErrorRateStats()  # replaced: the new one is found
+    assert finder.find(h)["metrics[a]"] is h.metrics["a"]

@@ -122,3 +122,28 @@ def reassigned_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
     brain = toy.build(LastBatch, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
     toy.run_accumulating(brain)
     return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def tensor_state_evaluations(rank, world_size, use_mixin, batch_counts):
+    """Evaluates sets of ``batch_counts`` batches (batch size 2) with a
+    TensorStateBrain; returns per set the tensors, loss, peak RSS growth of
+    evaluate() in MB, and the warnings this rank logged."""
+    import logging
+
+    from tests.memory import peak_growth
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    base = toy.TensorStateBrain
+    cls = type("Converted", (ddp_eval.DDPEvalMixin, base), {}) if use_mixin else base
+    brain = toy.build_tensor_state(cls)
+    out = []
+    for batches in batch_counts:
+        data = toy.make_dataset(2 * batches, seed=batches)
+        loss, growth, seconds = peak_growth(brain.evaluate, data, test_loader_kwargs={"batch_size": 2})
+        out.append({"loss": loss, "growth_mb": growth, "seconds": seconds, "counts": brain.counts.clone(),
+                    "acc_small": brain.acc_small.clone(), "acc_big": brain.acc_big.clone(),
+                    "table_version": brain.table._version})
+    return {"runs": out, "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}

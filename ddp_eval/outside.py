@@ -1,0 +1,106 @@
+"""Noticing state that a sharded stage changes outside the Brain.
+
+A recipe may accumulate into objects it reaches through ``self.hparams`` or
+the checkpointer, e.g. SpeechBrain's ``HMMAligner`` keeps the alignments it
+computes in ``self.hparams.aligner.align_dict``. Under sharding each rank then
+holds only its own batches' share. :func:`outside_markers` records, cheaply,
+the values of ``self.hparams`` and of the checkpointer's recoverables and their
+list, dict, number and tensor attributes one level deep (lengths, values, a
+tensor's identity and ``_version``, the identities of a dict's values);
+:func:`changed_outside` names what differs between stage start and end.
+
+Example
+-------
+>>> import types
+>>> aligner = types.SimpleNamespace(align_dict={})
+>>> brain = types.SimpleNamespace(hparams=types.SimpleNamespace(aligner=aligner, lr=0.1))
+>>> start = outside_markers(brain)
+>>> aligner.align_dict["utt1"] = [0, 1]
+>>> changed_outside(start, outside_markers(brain))
+{'hparams.aligner.align_dict': 'dict gained 1 key(s) (0 -> 1)'}
+"""
+
+import types
+from typing import Any, Dict, Iterable, Mapping, Tuple
+
+import torch
+
+from ddp_eval.attributes import is_number
+
+Marker = Tuple[Any, ...]
+
+
+def _marker(value: Any) -> Any:
+    if isinstance(value, list):
+        return ("list", id(value), len(value))
+    if isinstance(value, dict):
+        return ("dict", id(value), len(value), hash(tuple(map(id, value.values()))))
+    if is_number(value):
+        return ("number", value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    return None
+
+
+def _attributes(obj: Any) -> Iterable[Tuple[str, Any]]:
+    if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return ()
+    try:
+        return list(vars(obj).items())
+    except TypeError:  # no __dict__ (builtins, C extension objects)
+        return ()
+
+
+def _roots(brain: Any) -> Iterable[Tuple[str, Any]]:
+    hparams = getattr(brain, "hparams", None)
+    if hparams is not None:
+        yield from ((f"hparams.{k}", v) for k, v in sorted(_attributes(hparams)))
+    checkpointer = getattr(brain, "checkpointer", None)
+    for name, obj in sorted(getattr(checkpointer, "recoverables", {}).items()):
+        yield f"checkpointer.recoverables.{name}", obj
+
+
+def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marker]:
+    """``{dotted path: marker}`` of the state reachable from ``brain.hparams``
+    and its checkpointer's recoverables, one attribute level deep.
+
+    Objects in ``skip_ids`` (e.g. the Brain's own attributes) are left out.
+    """
+    markers: Dict[str, Marker] = {}
+    skipped = set(skip_ids) | {id(brain)}
+    seen = set()
+    for label, obj in _roots(brain):
+        if id(obj) in skipped or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        marker = _marker(obj)
+        if marker is not None:
+            markers[label] = marker
+            continue
+        for name, value in _attributes(obj):
+            marker = _marker(value)
+            if marker is not None and id(value) not in skipped:
+                markers[f"{label}.{name}"] = marker
+    return markers
+
+
+def _describe(before: Marker, after: Marker) -> str:
+    kind = before[0]
+    if after is None or after[0] != kind or (kind != "number" and before[1] != after[1]):
+        return "replaced by another object"
+    if kind == "list":
+        return f"list grew or shrank ({before[2]} -> {after[2]} entries)"
+    if kind == "dict":
+        if after[2] == before[2]:
+            return f"dict values replaced ({after[2]} keys)"
+        verb = "gained" if after[2] > before[2] else "lost"
+        return f"dict {verb} {abs(after[2] - before[2])} key(s) ({before[2]} -> {after[2]})"
+    if kind == "number":
+        return f"number changed ({before[1]!r} -> {after[1]!r})"
+    return "tensor modified in place"
+
+
+def changed_outside(start: Mapping[str, Marker], end: Mapping[str, Marker]) -> Dict[str, str]:
+    """``{dotted path: what changed}`` between two :func:`outside_markers`."""
+    return {label: _describe(marker, end.get(label))
+            for label, marker in sorted(start.items()) if end.get(label) != marker}

@@ -1,0 +1,28 @@
+"""Peak resident memory of a call, as the kernel counts it (Linux).
+
+Writing ``5`` to ``/proc/self/clear_refs`` resets the process's high-water
+mark (``VmHWM``) to its current RSS, so the growth of the peak during a call
+is ``VmHWM`` after it minus ``VmRSS`` before it, page-exact. Used by the
+bookkeeping tests and ``benchmarks/memory.py``.
+"""
+
+import time
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_growth(fn, *args, **kwargs):
+    """Runs ``fn``; returns ``(result, peak RSS growth in MB, seconds)``."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    seconds = time.perf_counter() - start
+    return result, (_status_kb("VmHWM") - before) / 1024, seconds
