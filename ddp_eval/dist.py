@@ -27,13 +27,15 @@ Example
 [1.5, 2.0]
 """
 
+import atexit
 import datetime
+import logging
 import os
 import pickle
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,8 @@ from ddp_eval.errors import (
     OutOfStepError,
     RankFailedError,
 )
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 KEY_PREFIX = "ddp_eval"
@@ -152,6 +156,8 @@ class ControlChannel:
         self.world_size = world_size
         self.namespace = namespace
         self.seq = 0
+        self._last: Optional[Tuple[int, str]] = None  # (seq, verdict kind) of the newest exchange
+        self._read_by_all = 0  # newest seq whose answer every rank is known to have read
 
     def _key(self, seq: int, name: str) -> str:
         return f"{self.namespace}/{seq}/{name}"
@@ -189,7 +195,9 @@ class ControlChannel:
         if error is not None:
             failed = ("failed", self.rank, tag, _describe(error),
                       "".join(traceback.format_exception(error)))
-            self._publish(seq, self._decide(seq, failed))
+            verdict = self._decide(seq, failed)
+            self._publish(seq, verdict)
+            self._acknowledge(seq, verdict)
             raise error
         store.set(self._key(seq, f"r{self.rank}"), pickle.dumps(_Envelope(tag, payload)))
         arrived = store.add(self._key(seq, "count"), 1)
@@ -203,7 +211,35 @@ class ControlChannel:
             answer = self._await_answer(seq, tag, timeout)
         # The coordinator has read our envelope once a verdict exists.
         store.delete_key(self._key(seq, f"r{self.rank}"))
+        self._acknowledge(seq, answer)
         return self._open(answer, seq, tag)
+
+    def _acknowledge(self, seq: int, verdict: tuple) -> None:
+        """Notes the verdict; other ranks tell the coordinator they have read it."""
+        self._last = (seq, verdict[0])
+        if self.rank != 0 and self.store.add(self._key(seq, "read"), 1) == self.world_size - 1:
+            self.store.set(self._key(seq, "all_read"), b"1")
+
+    def wait_for_readers(self, timeout: Optional[float] = None) -> bool:
+        """On the coordinator: waits until every rank has read the newest answer.
+
+        Call it before the coordinator's process leaves: a launcher that makes
+        rank 0 host the store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+        ``srun`` with ``env://``, ``mp.spawn``) takes the store down with it,
+        and a slower rank still reading the answer would fail with a
+        connection reset. Returns at once on other ranks, after a timeout
+        verdict (the missing ranks may never read), or when already known;
+        False if the wait timed out.
+        """
+        if self.rank != 0 or self.world_size == 1 or self._last is None:
+            return True
+        seq, kind = self._last
+        if kind == "timeout" or self._read_by_all == seq:
+            return True
+        if not self._wait(self._key(seq, "all_read"), _timeout_s if timeout is None else timeout):
+            return False
+        self._read_by_all = seq
+        return True
 
     # Keys of exchange ``seq``: ``r<rank>`` envelopes, ``count`` arrivals,
     # ``ready`` (all arrived, or a verdict to read), ``verdict`` (decided once,
@@ -245,7 +281,7 @@ class ControlChannel:
             verdict = self._decide(seq, ("ok", list(unique), index if len(unique) > 1 else None))
         self._publish(seq, verdict)
         if seq > 1:  # every rank posted this exchange, so all have read the previous one
-            for name in ("verdict", "answer", "count", "ready"):
+            for name in ("verdict", "answer", "count", "ready", "read", "all_read"):
                 store.delete_key(self._key(seq - 1, name))
         return verdict
 
@@ -357,6 +393,33 @@ def exchange(
             raise error
         return [payload]
     return default_channel().exchange(tag, payload, error, timeout)
+
+
+def settle(timeout: Optional[float] = None) -> None:
+    """On rank 0: returns once every rank has read the newest exchange's answer.
+
+    Called when ``fit()`` and ``evaluate()`` return and at interpreter exit,
+    so rank 0, which may host the store, never leaves a rank reading the last
+    answer from a store that is gone. Bounded by ``timeout`` (default: the
+    collective timeout); a no-op on other ranks and without a process group.
+
+    Example
+    -------
+    >>> settle()  # no process group: nothing to wait for
+    """
+    channel = _default["channel"]
+    if channel is None or not is_initialized():
+        return
+    if not channel.wait_for_readers(timeout):
+        logger.warning(f"ddp_eval: rank 0 waited {_timeout_s if timeout is None else timeout:g} s for "
+                       "the other ranks to read the last control answer; leaving anyway.")
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    channel = _default["channel"]
+    if channel is not None:  # the process group may be gone by now; the store is not
+        channel.wait_for_readers()
 
 
 @contextmanager

@@ -119,17 +119,25 @@ class DDPEvalMixin:
         return loader
 
     def fit(self, epoch_counter, train_set, valid_set=None, *args, **kwargs):
-        """Why: note whether VALID is sharded; turn a failure here into an error on all ranks."""
+        """Why: note whether VALID is sharded; turn a failure here into an error on
+        all ranks; return on rank 0 only once every rank has read the last answer."""
         self._ddp_loaders[sb.Stage.VALID] = valid_set  # make_dataloader replaces a Dataset
-        with dist.fail_together("fit"):
-            return super().fit(epoch_counter, train_set, valid_set, *args, **kwargs)
+        try:
+            with dist.fail_together("fit"):
+                return super().fit(epoch_counter, train_set, valid_set, *args, **kwargs)
+        finally:
+            dist.settle()
 
     def evaluate(self, test_set, *args, **kwargs) -> float:
-        """Why: note whether TEST is sharded, return the global loss, fail together."""
+        """Why: note whether TEST is sharded, return the global loss, fail together,
+        and (rank 0) return once every rank has read the last answer."""
         self._ddp_loaders[sb.Stage.TEST] = test_set
         self._ddp_global_loss.pop(sb.Stage.TEST, None)
-        with dist.fail_together("evaluate"):
-            local_loss = super().evaluate(test_set, *args, **kwargs)
+        try:
+            with dist.fail_together("evaluate"):
+                local_loss = super().evaluate(test_set, *args, **kwargs)
+        finally:
+            dist.settle()
         return self._ddp_global_loss.get(sb.Stage.TEST, local_loss)
 
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
