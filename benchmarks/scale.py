@@ -14,7 +14,7 @@ gloo process groups at 1-16 ranks.
    (length-sorted toy data, batch 16) with DDPEvalMixin. Per world size: the
    evaluation time, the stage-end overhead (exchange, loss all_reduce, metric
    and attribute merge), and the bytes of merge state each rank receives in
-   ``all_gather_object`` (N times the largest rank's state: the gather pads).
+   ``all_gather_bytes`` (N times the largest rank's state: the gather pads).
 
 Writes benchmarks/out/scale.json and scale.png and prints Markdown tables.
 """
@@ -89,13 +89,13 @@ def eval_worker(rank, world_size, n_items):
             finally:
                 timings["stage_end_s"] = time.perf_counter() - start
 
-    gather = ddp_eval.dist.all_gather_object
+    gather = ddp_eval.dist.all_gather_bytes
 
     def recording_gather(obj):
         sizes.append(len(obj))
         return gather(obj)
 
-    ddp_eval.dist.all_gather_object = recording_gather
+    ddp_eval.dist.all_gather_bytes = recording_gather
     torch.manual_seed(0)
     brain = Timed({"model": torch.nn.Sequential(torch.nn.Linear(toy.FEATS, 2048), torch.nn.Tanh(),
                                                 torch.nn.Linear(2048, 2048), torch.nn.Tanh(),

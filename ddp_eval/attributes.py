@@ -38,6 +38,7 @@ Example
 ('append', [0.5, 0.9, 0.7])
 """
 
+import array
 import itertools
 import logging
 import math
@@ -112,6 +113,30 @@ def _exact_dtype(tensor: torch.Tensor) -> bool:
     return not (tensor.is_floating_point() or tensor.is_complex())
 
 
+class _Increments:
+    """Per-batch increments of one float tensor, packed in one growing buffer.
+
+    Why packed: thousands of small tensors kept alive between a recipe's
+    large transient allocations pin the top of the C heap, and the process
+    then keeps memory that grows with the number of batches although little
+    is stored. One buffer grows geometrically: O(log n) allocations in all.
+    """
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.dtype, self.shape = like.dtype, like.shape
+        self.buffer = bytearray()
+        self.batches = array.array("q")
+
+    def append(self, batch: int, increment: torch.Tensor) -> None:
+        self.buffer += increment.contiguous().reshape(-1).view(torch.uint8).numpy().data
+        self.batches.append(batch)
+
+    def stacked(self) -> torch.Tensor:
+        """The increments as one ``(batches, *shape)`` tensor."""
+        flat = torch.frombuffer(self.buffer, dtype=torch.uint8) if self.buffer else torch.empty(0, dtype=torch.uint8)
+        return flat.view(self.dtype).reshape(len(self.batches), *self.shape).clone()
+
+
 class _Track:
     """What one attribute held at stage start and how the batches changed it."""
 
@@ -120,9 +145,9 @@ class _Track:
         self.start = value
         self.obj = value  # held, so that an identity check cannot meet a reused id
         self.why: Optional[str] = None  # why it cannot be merged
-        self.changes: List[Tuple[int, int]] = []  # (batch index, length after it): lists, dicts
+        self.changes = array.array("q")  # batch index, length after it, ...: lists, dicts
         self.numbers: List[Tuple[int, Any]] = []  # (batch index, value after it): numbers
-        self.increments: List[Tuple[int, torch.Tensor]] = []  # float tensors, while within budget
+        self.increments: Optional[_Increments] = None  # float tensors, while within budget
         self.totals = False  # float tensor over budget: one total per rank
         self.changed = False
         self.base = self.previous = self.spec = None
@@ -145,7 +170,7 @@ class _Track:
 
     def _fail(self, why: str) -> None:
         self.why = why
-        self.increments = []
+        self.increments = None
 
     def observe(self, index: int, tracker: "AttributeTracker") -> None:
         """Notes what batch ``index`` changed (O(1), plus a copy of a changed float tensor)."""
@@ -179,7 +204,7 @@ class _Track:
         elif len(value) < self.last:
             self._fail(f"entries were removed from the {kind}")
         elif len(value) != self.last:
-            self.changes.append((index, len(value)))
+            self.changes.extend((index, len(value)))
             self.last = len(value)
 
     def _observe_tensor(self, index: int, value: torch.Tensor, tracker: "AttributeTracker") -> None:
@@ -195,17 +220,21 @@ class _Track:
         self.obj, self.version, self.changed = value, value._version, True
         if _exact_dtype(value) or self.totals:
             return  # one increment per rank, taken at stage end
-        current = _cpu_copy(value)
-        increment = current if self.previous is None else current - self.previous
+        current = value.detach().cpu()  # a transient copy if on a GPU
+        increment = current.clone() if self.previous is None else current - self.previous
         if not tracker.reserve(increment.nelement() * increment.element_size()):
             self._switch_to_totals(tracker)
             return
-        self.increments.append((index, increment))
-        self.previous = current
+        self.increments = self.increments or _Increments(value)
+        self.increments.append(index, increment)
+        if self.previous is None or self.previous is self.base:
+            self.previous = _cpu_copy(value)  # once; later batches overwrite it in place
+        else:
+            self.previous.copy_(current)
 
     def _switch_to_totals(self, tracker: "AttributeTracker") -> None:
-        tracker.release(sum(i.nelement() * i.element_size() for _, i in self.increments))
-        self.increments, self.previous, self.totals = [], None, True
+        tracker.release(len(self.increments.buffer) if self.increments else 0)
+        self.increments, self.previous, self.totals = None, None, True
         if self.label not in _warned_over_budget:
             _warned_over_budget.add(self.label)
             logger.warning(
@@ -256,10 +285,11 @@ class _Track:
         """What this rank's batches changed, with the global ``positions`` of batch indices."""
         value = get_value(self.owner, self.name)
 
-        def cut(changes: Sequence[Tuple[int, int]], start: int, end: int):
+        def cut(flat: Sequence[int], start: int, end: int):
+            changes = list(zip(flat[0::2], flat[1::2]))
             bounds = [start] + [n for _, n in changes]
             if bounds[-1] != end:  # grew without a recorded change: after the last batch
-                changes, bounds = list(changes) + [(len(positions) - 1, end)], bounds + [end]
+                changes, bounds = changes + [(len(positions) - 1, end)], bounds + [end]
             return [positions[i] for i, _ in changes], [b - a for a, b in zip(bounds, bounds[1:])]
 
         if kind == "append":
@@ -278,8 +308,9 @@ class _Track:
             if self.totals:
                 end = _cpu_copy(value)
                 return kind, ("total", end if self.base is None else end - self.base)
-            return kind, ("batches", [positions[i] for i, _ in self.increments],
-                          [inc for _, inc in self.increments])
+            if self.increments is None:
+                return kind, ("batches", [], [])
+            return kind, ("batches", [positions[i] for i in self.increments.batches], self.increments.stacked())
         before, places, increments = (0 if self.start is ABSENT else self.start), [], []
         for index, after in self.numbers:
             places.append(positions[index])

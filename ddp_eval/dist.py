@@ -15,7 +15,7 @@ Two kinds of communication are used:
   :class:`OutOfStepError` instead of deadlocking. Keys belong to one
   incarnation of the process group, so a job restarted by ``torchrun
   --max-restarts`` never reads an answer of an earlier attempt.
-* **Data collectives** (:func:`all_reduce_sum`, :func:`all_gather_object`,
+* **Data collectives** (:func:`all_reduce_sum`, :func:`all_gather_bytes`,
   :func:`broadcast_tensors`): issued only right after a successful exchange,
   so every rank is known to be present and at the same point.
 
@@ -461,13 +461,33 @@ def all_reduce_sum(values: Sequence[float]) -> List[float]:
     return tensor.cpu().tolist()
 
 
-def all_gather_object(obj: Any) -> List[Any]:
-    """Gathers a picklable object of any size from every rank, in rank order."""
+def all_gather_bytes(blob: bytes) -> List[memoryview]:
+    """Gathers a byte string of any size from every rank, in rank order.
+
+    The answers are views into one buffer (unpickle them straight from it):
+    besides that buffer (N times the longest string) only one padded copy of
+    ``blob`` is made, fewer copies than ``all_gather_object``.
+
+    Example
+    -------
+    >>> [bytes(view) for view in all_gather_bytes(b"alone")]
+    [b'alone']
+    """
     if not _active():
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+        return [memoryview(blob)]
+    device, world = _device(), dist.get_world_size()
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s) for s in sizes]
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    memoryview(padded.numpy())[: len(blob)] = blob
+    gathered = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    dist.all_gather(list(gathered.split(longest)), padded.to(device))
+    del padded
+    flat = memoryview(gathered.cpu().numpy())
+    return [flat[r * longest: r * longest + sizes[r]] for r in range(world)]
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:

@@ -21,6 +21,7 @@ Example
 ['a', 'b', 'c']
 """
 
+import array
 import itertools
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -220,7 +221,7 @@ class MetricRecorder:
         self.start: Snapshot = snapshot(self.objects)
         self.batches = 0
         self._last: Dict[Tuple[str, str], int] = {}
-        self._changes: Dict[Tuple[str, str], List[Tuple[int, int]]] = {}
+        self._changes: Dict[Tuple[str, str], array.array] = {}  # batch, length, batch, length, ...
         for path, sub in _all_flat(self.objects):
             for name, value in vars(sub).items():
                 if isinstance(value, list):
@@ -239,7 +240,7 @@ class MetricRecorder:
                 if isinstance(value, list):
                     key = (path, name)
                     if len(value) != self._last.get(key, 0):
-                        self._changes.setdefault(key, []).append((batch, len(value)))
+                        self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
                         self._last[key] = len(value)
 
     def finish(self, owner: Any, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
@@ -260,10 +261,10 @@ class MetricRecorder:
             for name, value in vars(sub).items():
                 if isinstance(value, list):
                     first = before.get(name, 0)
-                    changes = self._changes.get((path, name), [])
-                    bounds = [first] + [n for _, n in changes]
+                    changes = self._changes.get((path, name), array.array("q"))
+                    bounds = [first] + list(changes[1::2])
                     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-                    lists[name] = ([places[i] for i, _ in changes], sizes, _pack(value[first:]))
+                    lists[name] = ([places[i] for i in changes[0::2]], sizes, _pack(value[first:]))
                 elif _is_number(value):
                     numbers[name] = value - before.get(name, 0)
             state[path] = {"lists": lists, "numbers": numbers}

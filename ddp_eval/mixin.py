@@ -263,7 +263,7 @@ class DDPEvalMixin:
         self._ddp_report_unmergeable(stage, [p[1] for p in per_rank], [p[2] for p in per_rank])
         total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
         with _gc_paused():  # unpickling many small objects triggers costly full GCs
-            states = [pickle.loads(blob) for blob in dist.all_gather_object(packed)]
+            states = [pickle.loads(view) for view in dist.all_gather_bytes(packed)]
             apply_merged(objects, run.metrics.start, merge_metric_stats([m for m, _ in states]))
             run.attributes.apply(merge_attribute_states([a for _, a in states]), self._ddp_locate)
         loss = total / count if count else 0.0

@@ -8,7 +8,7 @@ from tests.mp_harness import results, run_ranks
 from tests.workers import tensor_state_evaluations
 
 pytestmark = pytest.mark.timeout(300)
-BATCH_COUNTS = (30, 120)
+BATCH_COUNTS = (30, 240)
 EPS64 = 2.0**-53
 # Tensor attributes of toy.TensorStateBrain, MB: table 32 (never changed), counts 8
 # (int64), acc_big 8 (float64), acc_small (tiny).
@@ -55,5 +55,8 @@ def test_tensor_attributes_equal_one_process_and_memory_does_not_grow_with_batch
     for batches in BATCH_COUNTS:
         overhead = growth[batches] - plain[batches]["growth_mb"]
         assert overhead <= allowed_overhead_mb(world_size), (batches, growth, plain[batches]["growth_mb"])
-    # 4x the batches: the peak does not follow (per-batch clones would add 48 MB a batch)
-    assert growth[BATCH_COUNTS[1]] <= growth[BATCH_COUNTS[0]] + 16, growth
+    # 8x the batches: the peak does not follow. The slack covers where the allocator
+    # places the recipe's transient 8 MB tensors (+-16 MB seen, also at world size 1,
+    # where nothing is tracked); keeping 0.15 MB more a batch would exceed it, and the
+    # per-batch clones of 0.2.0 kept 48 MB a batch.
+    assert growth[BATCH_COUNTS[1]] <= growth[BATCH_COUNTS[0]] + 32, growth

@@ -147,3 +147,18 @@ def tensor_state_evaluations(rank, world_size, use_mixin, batch_counts):
                     "acc_small": brain.acc_small.clone(), "acc_big": brain.acc_big.clone(),
                     "table_version": brain.table._version})
     return {"runs": out, "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+
+
+def alignment_example(rank, world_size, ddp_eval_opts):
+    """The ASR_alignment_viterbi-shaped recipe under the mixin; its result and warnings."""
+    import logging
+
+    from tests import alignment
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    out = alignment.run(alignment.DDPAlignBrain, ddp_eval_opts)
+    out["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    return out

@@ -1,0 +1,44 @@
+"""State a sharded stage writes outside the Brain: named in a warning, merged when
+listed (SpeechBrain's ASR_alignment_viterbi shape, real gloo groups)."""
+
+import math
+
+import pytest
+
+from tests import alignment
+from tests.mp_harness import results, run_ranks
+from tests.workers import alignment_example
+
+pytestmark = pytest.mark.timeout(180)
+PATH = "hparams.aligner.align_dict"
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return alignment.run(alignment.AlignBrain)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unlisted_outside_state_is_named_in_a_warning(world_size):
+    per_rank = results(run_ranks(alignment_example, world_size, None, timeout=150))
+    warnings = per_rank[0]["warnings"]
+    named = [w for w in warnings if f"'{PATH}'" in w]
+    assert named and all("state outside the Brain" in w and "attributes_include" in w for w in named)
+    assert "dict gained" in named[0]  # the first VALID stage added its utterances
+    assert all(out["warnings"] == [] for out in per_rank[1:])  # logged once, on rank 0
+    # what it warns about: each rank holds only some of the 15 alignments
+    assert all(len(out["align_dict"]) < 15 for out in per_rank)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_listed_outside_state_is_merged_and_equals_one_process(world_size, single_process):
+    per_rank = results(run_ranks(alignment_example, world_size, {"attributes_include": [PATH]},
+                                 timeout=150))
+    want = single_process
+    for out in per_rank:
+        assert out["warnings"] == []
+        assert out["align_dict"] == want["align_dict"]  # keys in one process's order, values
+        assert [s[:2] for s in out["losses"]] == [s[:2] for s in want["losses"]]
+        for got, exp in zip(out["losses"], want["losses"]):
+            # TRAIN of epoch 1 reads the training alignments the nested evaluate() stored
+            assert math.isclose(got[2], exp[2], rel_tol=1e-9), (got, exp)
