@@ -5,7 +5,10 @@ Public API
 DDPEvalMixin
     ``class MyBrain(DDPEvalMixin, sb.Brain)``: shards VALID/TEST, merges loss and metrics.
 Checkpointer
-    Drop-in ``speechbrain.utils.checkpoints.Checkpointer``: atomic, rank-0 writes.
+    Drop-in ``speechbrain.utils.checkpoints.Checkpointer``: atomic, rank-0 writes,
+    optionally non-blocking (``async_save``).
+CheckpointFolder, inspect_checkpoint_dir
+    The single-process commit protocol of a checkpoints folder; what resume accepts.
 DDPEvalConfig
     The ``ddp_eval:`` hparams section.
 shard_dataloader, ShardedBatchSampler, ShardedStreamLoader, shard_batches
@@ -21,7 +24,8 @@ Errors
 """
 
 from ddp_eval.attributes import merge_attribute_states
-from ddp_eval.checkpoint import Checkpointer, inspect_checkpoint_dir
+from ddp_eval.checkpoint import Checkpointer
+from ddp_eval.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.dist import ControlChannel
 from ddp_eval.errors import (
@@ -44,6 +48,7 @@ __version__ = "0.2.0"
 __all__ = [
     "DDPEvalMixin",
     "Checkpointer",
+    "CheckpointFolder",
     "DDPEvalConfig",
     "ShardedBatchSampler",
     "ShardedStreamLoader",

@@ -9,7 +9,7 @@ import torch
 from speechbrain.core import INTRA_EPOCH_CKPT_FLAG
 
 import ddp_eval
-import ddp_eval.checkpoint as ckpt_module
+import ddp_eval.commit as ckpt_module
 from tests import kill_points, toy
 
 
@@ -157,3 +157,43 @@ def recover_with_warnings(rank, world_size, directory):
     found = ckpter.recover_if_possible()
     return {"found": found.path.name, "weight": float(model.weight[0, 0]), "counter": counter.current,
             "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+
+
+def async_snapshot_then_change(rank, world_size, directory):
+    """An async save, the parameters changed at once (as the next training step
+    would), then wait(): every rank loads the values of save time."""
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=3)
+    ckpter.async_save = True
+    saved = ckpter.save_checkpoint(meta={"version": 3})
+    with torch.no_grad():
+        model.weight.add_(100.0)
+    blob.version = 4
+    ckpter.wait()
+    loader, loaded, loaded_blob = kill_points.make_checkpointer(directory, version=-1)
+    found = loader.recover_if_possible()
+    return {"found": found.path.name, "saved": saved.path.name, "weight": float(loaded.weight[0, 0]),
+            "blob": loaded_blob.version, "live_weight": float(model.weight[0, 0])}
+
+
+def async_enospc(rank, world_size, directory):
+    """The background write of the second save fails with ENOSPC on the writer."""
+    import threading
+
+    ckpter, model, blob = kill_points.make_checkpointer(directory, version=1)
+    ckpter.async_save, ckpter.timeout = True, 20
+    ckpter.save_checkpoint(meta={"version": 1})
+    original = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if threading.current_thread().name.startswith("ddp_eval save"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return original(obj, path, *args, **kwargs)
+
+    torch.save = full_disk
+    blob.version = 2
+    second = ckpter.save_checkpoint(meta={"version": 2}, name="second")  # returns: the write is later
+    try:
+        ckpter.save_checkpoint(meta={"version": 3}, name="third")  # the next call raises
+    except ddp_eval.DDPEvalError as error:
+        return {"returned": second.path.name, "error": type(error).__name__, "message": str(error)}
+    return {"returned": second.path.name, "error": None}

@@ -15,7 +15,7 @@ import torch
 from speechbrain.utils.checkpoints import mark_as_loader, mark_as_saver, register_checkpoint_hooks
 
 import ddp_eval
-import ddp_eval.checkpoint as ckpt_module
+import ddp_eval.commit as ckpt_module
 
 _state = {"count": 0, "kill_at": None, "names": []}
 
@@ -84,14 +84,18 @@ def make_checkpointer(directory, version=0):
     return ddp_eval.Checkpointer(directory, recoverables={"model": model, "blob": blob}), model, blob
 
 
-def run(directory, kill_at=None, log_path=None, renameat2=True):
+def run(directory, kill_at=None, log_path=None, renameat2=True, async_save=False):
     """Saves v1 (unarmed), then armed: keep-only v2, named 'last' v3 then v4 (a re-save).
 
-    With ``renameat2=False`` the re-save uses the two-rename fallback.
+    With ``renameat2=False`` the re-save uses the two-rename fallback. With
+    ``async_save`` the write, commit and deletions run in the background
+    thread (where most kill points then are); a save counts as committed once
+    ``wait()`` returned.
     """
     if not renameat2:
         ckpt_module._exchange_dirs = lambda a, b: False
     ckpter, model, blob = make_checkpointer(directory)
+    ckpter.async_save = async_save
 
     def save(version, **kwargs):
         with torch.no_grad():
@@ -103,6 +107,7 @@ def run(directory, kill_at=None, log_path=None, renameat2=True):
             ckpter.save_and_keep_only(**kwargs)
         else:
             ckpter.save_checkpoint(**kwargs)
+        ckpter.wait()
         with open(log_path, "a") as f:
             f.write(f"{version}\n")
             f.flush()

@@ -8,7 +8,7 @@ import speechbrain as sb
 import torch
 
 import ddp_eval
-from ddp_eval.checkpoint import MANIFEST_KEY
+from ddp_eval.commit import MANIFEST_KEY
 
 
 def _model(value):

@@ -5,7 +5,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from ddp_eval.checkpoint import TMP_PREFIX, inspect_checkpoint_dir
+from ddp_eval.commit import TMP_PREFIX, inspect_checkpoint_dir
 from tests import kill_points
 
 pytestmark = pytest.mark.timeout(300)
@@ -14,9 +14,9 @@ _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(["tests.kill_points"])
 
 
-def _run_child(directory, kill_at, log_path, renameat2):
+def _run_child(directory, kill_at, log_path, renameat2, async_save):
     proc = _ctx.Process(target=kill_points.run,
-                        args=(str(directory), kill_at, str(log_path), renameat2))
+                        args=(str(directory), kill_at, str(log_path), renameat2, async_save))
     proc.start()
     proc.join(60)
     if proc.is_alive():
@@ -29,14 +29,15 @@ def _committed(log_path):
     return [int(v) for v in log_path.read_text().split()] if log_path.exists() else []
 
 
-@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "two-renames"])
-def test_sigkill_at_every_point_of_a_save_leaves_newest_complete_checkpoint(renameat2, tmp_path):
-    assert _run_child(tmp_path / "dry", None, tmp_path / "dry.log", renameat2) == 0
+@pytest.mark.parametrize("renameat2,async_save", [(True, False), (False, False), (True, True)],
+                         ids=["renameat2", "two-renames", "async-background-write"])
+def test_sigkill_at_every_point_of_a_save_leaves_newest_complete_checkpoint(renameat2, async_save, tmp_path):
+    assert _run_child(tmp_path / "dry", None, tmp_path / "dry.log", renameat2, async_save) == 0
     names = (tmp_path / "dry.log.points").read_text().splitlines()
     assert len(names) >= 20, names  # the armed part of the sequence has this many points
     for k in range(1, len(names) + 1):
         directory, log_path = tmp_path / f"k{k}", tmp_path / f"k{k}.log"
-        exitcode = _run_child(directory, k, log_path, renameat2)
+        exitcode = _run_child(directory, k, log_path, renameat2, async_save)
         assert exitcode == -9, f"kill point {k} ({names[k - 1]}) not reached: exit {exitcode}"
         committed = _committed(log_path)
         # Atomicity: every visible checkpoint directory is complete, whatever the instant.

@@ -1,5 +1,6 @@
 """Functions run on every rank of a real process group by tests (see mp_harness)."""
 
+import functools
 import os
 import time
 
@@ -9,11 +10,13 @@ import ddp_eval
 from tests import toy
 
 
-def recipe(rank, world_size, ckpt_dir, ddp_eval_opts=None):
+def recipe(rank, world_size, ckpt_dir, ddp_eval_opts=None, async_save=False):
     """Runs the toy recipe converted with the mixin; returns what on_stage_end saw."""
-    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=ddp_eval_opts)
+    checkpointer_cls = functools.partial(ddp_eval.Checkpointer, async_save=async_save)
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=ddp_eval_opts, checkpointer_cls=checkpointer_cls)
     out = toy.run_recipe(brain)
     saved = brain.checkpointer.save_checkpoint(meta={"extra": True})
+    brain.checkpointer.wait()
     out["save_return"] = (str(saved.path), saved.meta, sorted(map(str, saved.paramfiles.values())))
     out["ckpt_files"] = sorted(os.listdir(ckpt_dir))
     return out

@@ -1,0 +1,173 @@
+"""Non-blocking saves: an in-memory snapshot, then one background writer.
+
+:func:`snapshot_state` copies a ``state_dict`` (module, optimizer, scheduler,
+grad scaler) to CPU memory, pinned when CUDA is available, so training may
+change the originals the moment it returns. :class:`BackgroundWriter` runs
+one job at a time in a daemon thread; a job's exception is kept and handed to
+whoever waits for it next, and a job still running at interpreter exit is
+finished, bounded by a timeout.
+
+Example
+-------
+>>> import torch
+>>> model = torch.nn.Linear(2, 2)
+>>> copy = snapshot_state(model.state_dict())
+>>> with torch.no_grad():
+...     _ = model.weight.fill_(1.0)
+>>> bool((copy["weight"] == 1.0).all())
+False
+>>> writer = BackgroundWriter()
+>>> writer.start(lambda: None, "a job")
+>>> writer.wait(timeout=5) is None
+True
+"""
+
+import atexit
+import collections
+import copy
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a nested state (each storage counted once)."""
+    seen, total = set(), 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            key = (item.untyped_storage().data_ptr(), item.device)
+            if key not in seen:
+                seen.add(key)
+                total += item.untyped_storage().nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def available_memory_bytes() -> Optional[int]:
+    """``MemAvailable`` of ``/proc/meminfo``; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def snapshot_state(state: Any) -> Any:
+    """A copy of a nested ``state_dict`` whose tensors live in CPU memory.
+
+    Tensors on a GPU are copied into pinned memory (asynchronously, then one
+    synchronisation); a tensor held twice (tied weights) is copied once. Other
+    values are deep-copied, and an ``OrderedDict``'s ``_metadata`` is kept.
+    """
+    memo: Dict[int, torch.Tensor] = {}
+    on_gpu = [False]
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in memo:
+            tensor = tensor.detach()
+            if tensor.is_cuda:
+                on_gpu[0] = True
+                target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                memo[id(tensor)] = target.copy_(tensor, non_blocking=True)
+            else:
+                memo[id(tensor)] = tensor.clone()
+        return memo[id(tensor)]
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return copy_tensor(item)
+        if isinstance(item, dict):
+            out = type(item)() if isinstance(item, collections.OrderedDict) else {}
+            for key, value in item.items():
+                out[key] = walk(value)
+            if hasattr(item, "_metadata"):
+                out._metadata = copy.deepcopy(item._metadata)
+            return out
+        if isinstance(item, list):
+            return [walk(v) for v in item]
+        if isinstance(item, tuple):
+            walked = [walk(v) for v in item]
+            return type(item)(*walked) if hasattr(item, "_fields") else tuple(walked)  # namedtuple or tuple
+        return copy.deepcopy(item)
+
+    result = walk(state)
+    if on_gpu[0]:
+        torch.cuda.synchronize()
+    return result
+
+
+_writers: "weakref.WeakSet[BackgroundWriter]" = weakref.WeakSet()
+
+
+class BackgroundWriter:
+    """Runs one job at a time in a background thread.
+
+    :meth:`start` needs the previous job to be waited for; :meth:`wait`
+    returns the job's exception (or None) once, then forgets it.
+    """
+
+    def __init__(self, exit_timeout: float = 600.0) -> None:
+        self.exit_timeout = exit_timeout
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.name = ""  # of the job running or last started
+        _writers.add(self)
+
+    @property
+    def busy(self) -> bool:
+        """A job is running or finished without having been waited for."""
+        return self._thread is not None
+
+    def start(self, job: Callable[[], None], name: str) -> None:
+        """Starts ``job()`` in the background; ``name`` appears in errors and logs."""
+        if self._thread is not None:
+            raise RuntimeError(f"ddp_eval: background job '{self.name}' was not waited for")
+
+        def run():
+            try:
+                job()
+            except BaseException as exc:  # handed to the next wait()
+                self._error = exc
+
+        self.name = name
+        self._thread = threading.Thread(target=run, name=f"ddp_eval save: {name}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """Blocks until the job ends; returns its exception, or None.
+
+        A job still running after ``timeout`` seconds gives a ``TimeoutError``
+        (the job goes on; wait again to collect it).
+        """
+        thread = self._thread
+        if thread is None:
+            return None
+        thread.join(timeout)
+        if thread.is_alive():
+            return TimeoutError(f"background job '{self.name}' still running after {timeout:g} s")
+        error, self._error, self._thread = self._error, None, None
+        return error
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    for writer in list(_writers):
+        if writer.busy:
+            name = writer._name
+            error = writer.wait(writer.exit_timeout)
+            if error is not None:
+                logger.error(f"ddp_eval: at exit, the background save {name} failed: "
+                             f"{type(error).__name__}: {error}")

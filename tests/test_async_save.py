@@ -1,0 +1,66 @@
+"""Non-blocking saves (async_save=True): the state at call time, errors on every
+rank, the same results as synchronous saves, and a clear memory error."""
+
+import os
+
+import pytest
+import torch
+
+import ddp_eval
+from ddp_eval.commit import TMP_PREFIX
+from tests import ckpt_workers as w
+from tests import workers
+from tests.mp_harness import results, run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_checkpoint_holds_the_state_at_call_time(world_size, tmp_path):
+    per_rank = results(run_ranks(w.async_snapshot_then_change, world_size, str(tmp_path), timeout=60))
+    for out in per_rank:
+        assert out["found"] == out["saved"] == per_rank[0]["saved"]
+        assert (out["weight"], out["blob"]) == (3.0, 3)  # not 103.0 / 4
+        assert out["live_weight"] == 103.0
+
+
+def test_background_enospc_is_raised_on_every_rank_at_the_next_call(tmp_path):
+    outcomes = results(run_ranks(w.async_enospc, 3, str(tmp_path / "ck"), timeout=60))
+    for rank, out in enumerate(outcomes):
+        assert out["returned"] == "CKPT+second"
+        assert out["error"] == ("CheckpointWriteError" if rank == 0 else "RankFailedError"), out
+        assert "background save of checkpoint" in out["message"] and "CKPT+second" in out["message"]
+        assert "No space left on device" in out["message"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [n for n in sorted(os.listdir(tmp_path / "ck"))
+                                                   if not n.startswith(TMP_PREFIX)]
+    per_rank = results(run_ranks(w.resume, 2, str(tmp_path / "ck"), timeout=60))
+    assert all(out == (1, 1.0, 1) for out in per_rank)  # the previous checkpoint, intact
+
+
+def test_fit_then_evaluate_with_async_saves_equals_synchronous_saves(tmp_path):
+    outcomes = {}
+    for mode in ("sync", "async"):
+        per_rank = results(run_ranks(workers.recipe, 2, str(tmp_path / mode), {"check_consistency": True},
+                                     mode == "async", timeout=150))
+        outcomes[mode] = per_rank
+    for sync_out, async_out in zip(outcomes["sync"], outcomes["async"]):
+        assert repr(async_out["log"]) == repr(sync_out["log"])  # best checkpoints loaded: same numbers
+        for key in ("test_loss", "tiny_loss", "ready_loss", "ready_sharded_loss"):
+            assert async_out[key] == sync_out[key]
+        assert async_out["probe_loaded"] == "0"
+    names = [f for f in outcomes["async"][0]["ckpt_files"] if f.startswith("CKPT")]
+    assert len(names) == len([f for f in outcomes["sync"][0]["ckpt_files"] if f.startswith("CKPT")])
+
+
+def test_a_snapshot_that_memory_cannot_hold_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(ddp_eval.checkpoint, "available_memory_bytes", lambda: 1024)
+    ckpter = ddp_eval.Checkpointer(tmp_path, {"model": torch.nn.Linear(64, 64)}, async_save=True)
+    with pytest.raises(ddp_eval.CheckpointWriteError, match=r"async_save needs one copy .* only 0 MB are "
+                                                            r"available.*async_save: false"):
+        ckpter.save_checkpoint()
+    assert os.listdir(tmp_path) == []  # nothing half-written
+
+
+def test_async_save_accepts_only_a_bool(tmp_path):
+    with pytest.raises(ddp_eval.ConfigError, match="'async_save' expects true or false"):
+        ddp_eval.Checkpointer(tmp_path, async_save="yes")
