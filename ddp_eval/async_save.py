@@ -27,6 +27,7 @@ import collections
 import copy
 import logging
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, Optional
 
@@ -124,6 +125,7 @@ class BackgroundWriter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.name = ""  # of the job running or last started
+        self.seconds: Optional[float] = None  # how long the last finished job ran
         _writers.add(self)
 
     @property
@@ -137,10 +139,12 @@ class BackgroundWriter:
             raise RuntimeError(f"ddp_eval: background job '{self.name}' was not waited for")
 
         def run():
+            start = time.perf_counter()
             try:
                 job()
             except BaseException as exc:  # handed to the next wait()
                 self._error = exc
+            self.seconds = time.perf_counter() - start
 
         self.name = name
         self._thread = threading.Thread(target=run, name=f"ddp_eval save: {name}", daemon=True)
