@@ -10,12 +10,14 @@ finished, bounded by a timeout.
 Example
 -------
 >>> import torch
->>> model = torch.nn.Linear(2, 2)
->>> copy = snapshot_state(model.state_dict())
+>>> model, buffers = torch.nn.Linear(2, 2), {}
+>>> copy = snapshot_state(model.state_dict(), buffers)
 >>> with torch.no_grad():
 ...     _ = model.weight.fill_(1.0)
 >>> bool((copy["weight"] == 1.0).all())
 False
+>>> snapshot_state(model.state_dict(), buffers)["weight"] is copy["weight"]  # the same memory, refilled
+True
 >>> writer = BackgroundWriter()
 >>> writer.start(lambda: None, "a job")
 >>> writer.wait(timeout=5) is None
@@ -29,7 +31,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -66,45 +68,51 @@ def available_memory_bytes() -> Optional[int]:
     return None
 
 
-def snapshot_state(state: Any) -> Any:
+def snapshot_state(state: Any, buffers: Optional[Dict[Any, torch.Tensor]] = None) -> Any:
     """A copy of a nested ``state_dict`` whose tensors live in CPU memory.
 
     Tensors on a GPU are copied into pinned memory (asynchronously, then one
     synchronisation); a tensor held twice (tied weights) is copied once. Other
     values are deep-copied, and an ``OrderedDict``'s ``_metadata`` is kept.
+
+    ``buffers`` (a dict, kept by the caller between snapshots) holds the
+    copies by their place in the state; a later snapshot copies into them
+    when shape and dtype still match, so it touches no fresh memory: no page
+    faults, which cost more than the copy itself while other processes run.
     """
     memo: Dict[int, torch.Tensor] = {}
     on_gpu = [False]
+    buffers = {} if buffers is None else buffers
 
-    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    def copy_tensor(tensor: torch.Tensor, place: Tuple) -> torch.Tensor:
         if id(tensor) not in memo:
             tensor = tensor.detach()
-            if tensor.is_cuda:
-                on_gpu[0] = True
-                target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                memo[id(tensor)] = target.copy_(tensor, non_blocking=True)
-            else:
-                memo[id(tensor)] = tensor.clone()
+            on_gpu[0] = on_gpu[0] or tensor.is_cuda
+            target = buffers.get(place)
+            if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
+                target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                buffers[place] = target
+            memo[id(tensor)] = target.copy_(tensor, non_blocking=tensor.is_cuda)
         return memo[id(tensor)]
 
-    def walk(item: Any) -> Any:
+    def walk(item: Any, place: Tuple) -> Any:
         if isinstance(item, torch.Tensor):
-            return copy_tensor(item)
+            return copy_tensor(item, place)
         if isinstance(item, dict):
             out = type(item)() if isinstance(item, collections.OrderedDict) else {}
             for key, value in item.items():
-                out[key] = walk(value)
+                out[key] = walk(value, place + (key,))
             if hasattr(item, "_metadata"):
                 out._metadata = copy.deepcopy(item._metadata)
             return out
         if isinstance(item, list):
-            return [walk(v) for v in item]
+            return [walk(v, place + (i,)) for i, v in enumerate(item)]
         if isinstance(item, tuple):
-            walked = [walk(v) for v in item]
+            walked = [walk(v, place + (i,)) for i, v in enumerate(item)]
             return type(item)(*walked) if hasattr(item, "_fields") else tuple(walked)  # namedtuple or tuple
         return copy.deepcopy(item)
 
-    result = walk(state)
+    result = walk(state, ())
     if on_gpu[0]:
         torch.cuda.synchronize()
     return result

@@ -39,6 +39,7 @@ Example
 """
 
 import array
+import bisect
 import itertools
 import logging
 import math
@@ -131,10 +132,12 @@ class _Increments:
         self.buffer += increment.contiguous().reshape(-1).view(torch.uint8).numpy().data
         self.batches.append(batch)
 
-    def stacked(self) -> torch.Tensor:
-        """The increments as one ``(batches, *shape)`` tensor."""
-        flat = torch.frombuffer(self.buffer, dtype=torch.uint8) if self.buffer else torch.empty(0, dtype=torch.uint8)
-        return flat.view(self.dtype).reshape(len(self.batches), *self.shape).clone()
+    def stacked(self, first: int = 0) -> torch.Tensor:
+        """The increments from the ``first``-th on, as one ``(n, *shape)`` tensor."""
+        row = len(self.buffer) // max(len(self.batches), 1)
+        part = self.buffer[first * row:]
+        flat = torch.frombuffer(part, dtype=torch.uint8) if part else torch.empty(0, dtype=torch.uint8)
+        return flat.view(self.dtype).reshape(len(self.batches) - first, *self.shape).clone()
 
 
 class _Track:
@@ -151,6 +154,8 @@ class _Track:
         self.totals = False  # float tensor over budget: one total per rank
         self.changed = False
         self.base = self.previous = self.spec = None
+        self.mark: Any = None  # the value at the previous journal piece (tensors, int sums)
+        self.journaled: set = set()  # dict keys whose replaced value a journal piece holds
         self.start_len, self.start_items = 0, None
         if isinstance(value, (list, dict)):
             self.start_len = len(value)
@@ -281,40 +286,62 @@ class _Track:
             return {}
         return {k: value[k] for k, v in start.items() if value[k] is not v}
 
-    def local_state(self, kind: str, positions: Sequence[int]) -> Tuple[str, Any]:
-        """What this rank's batches changed, with the global ``positions`` of batch indices."""
+    def local_state(self, kind: str, positions: Sequence[float], from_batch: int = 0,
+                    piece: bool = False) -> Tuple[str, Any]:
+        """What this rank's batches changed, with the global ``positions`` of batch indices.
+
+        The whole stage (``positions`` then ends with ``inf``, after the last
+        batch), or with ``piece`` what batches from ``from_batch`` on changed
+        since the previous piece, for a journal.
+        """
         value = get_value(self.owner, self.name)
 
-        def cut(flat: Sequence[int], start: int, end: int):
-            changes = list(zip(flat[0::2], flat[1::2]))
-            bounds = [start] + [n for _, n in changes]
-            if bounds[-1] != end:  # grew without a recorded change: after the last batch
-                changes, bounds = changes + [(len(positions) - 1, end)], bounds + [end]
-            return [positions[i] for i, _ in changes], [b - a for a, b in zip(bounds, bounds[1:])]
+        def cut(start: int, end: int):
+            batches, lengths = self.changes[0::2], self.changes[1::2]
+            first = bisect.bisect_left(batches, from_batch)
+            bounds = [lengths[first - 1] if first else start] + list(lengths[first:])
+            places = [positions[i] for i in batches[first:]]
+            if not piece and bounds[-1] != end:  # grew without a recorded change: after the last batch
+                places, bounds = places + [positions[-1]], bounds + [end]
+            return places, [b - a for a, b in zip(bounds, bounds[1:])], bounds[0], bounds[-1]
 
         if kind == "append":
-            places, sizes = cut(self.changes, self.start_len, len(value))
-            return kind, (places, sizes, value[self.start_len:])
+            places, sizes, first, last = cut(self.start_len, len(value))
+            return kind, (places, sizes, value[first:last])
         if kind == "keys":
-            places, sizes = cut(self.changes, self.start_len, len(value))
-            new_items = list(itertools.islice(value.items(), self.start_len, None))
-            return kind, (places, sizes, new_items, self._replaced(value))
-        if kind == "sum":
-            if isinstance(value, torch.Tensor):
-                end = _cpu_copy(value)
-                return kind, end if self.base is None else end - self.base
-            return kind, value - (0 if self.start is ABSENT else self.start)
+            places, sizes, first, last = cut(self.start_len, len(value))
+            new_items = list(itertools.islice(value.items(), first, last))
+            replaced = self._replaced(value)
+            if piece:  # a piece holds what the previous pieces do not
+                replaced = {k: v for k, v in replaced.items() if k not in self.journaled}
+                self.journaled.update(replaced)
+            return kind, (places, sizes, new_items, replaced)
         if isinstance(value, torch.Tensor):
-            if self.totals:
+            if kind == "sum" or self.totals:
                 end = _cpu_copy(value)
-                return kind, ("total", end if self.base is None else end - self.base)
+                before = self.mark if piece else self.base
+                delta = end if before is None else end - before
+                if piece:
+                    self.mark = end
+                return kind, delta if kind == "sum" else ("total", delta)
+            if piece:
+                self.mark = _cpu_copy(value)  # where a later total (over budget) starts
             if self.increments is None:
                 return kind, ("batches", [], [])
-            return kind, ("batches", [positions[i] for i in self.increments.batches], self.increments.stacked())
-        before, places, increments = (0 if self.start is ABSENT else self.start), [], []
+            first = bisect.bisect_left(self.increments.batches, from_batch)
+            return kind, ("batches", [positions[i] for i in self.increments.batches[first:]],
+                          self.increments.stacked(first))
+        start = 0 if self.start is ABSENT else self.start
+        if kind == "sum":
+            delta = value - (self.mark if piece and self.mark is not None else start)
+            if piece:
+                self.mark = value
+            return kind, delta
+        before, places, increments = start, [], []
         for index, after in self.numbers:
-            places.append(positions[index])
-            increments.append(after - before)
+            if index >= from_batch:
+                places.append(positions[index])
+                increments.append(after - before)
             before = after
         return kind, ("batches", places, increments)
 
@@ -345,6 +372,7 @@ class AttributeTracker:
         self.budget_bytes = budget_mb * 2**20
         self.used_bytes = 0
         self.batches = 0
+        self._piece_from = 0  # where the next journal piece starts
         self.tracks = {label: _Track(label, owner, name, get_value(owner, name))
                        for label, (owner, name) in targets.items()}
 
@@ -393,6 +421,18 @@ class AttributeTracker:
             kinds[label] = kind
             state[label] = track.local_state(kind, positions)
         return kinds, unmergeable, state
+
+    def piece(self, positions: Sequence[int]) -> Dict[str, Tuple[str, Any]]:
+        """What the batches since the previous piece (or stage start) changed,
+        in :meth:`finish`'s state format, for a journal; :meth:`finish` is unaffected."""
+        state = {}
+        for label in sorted(self.tracks):
+            track = self.tracks[label]
+            kind = track.kind()
+            if kind is not None and not kind.startswith("unmergeable: "):
+                state[label] = track.local_state(kind, positions, self._piece_from, piece=True)
+        self._piece_from = self.batches
+        return state
 
     def apply(self, merged: Mapping[str, Tuple[str, Any]], locate: Callable[[str], Tuple[Any, str]]) -> None:
         """Writes ``merged`` (of :func:`merge_attribute_states`) into the attributes,

@@ -77,8 +77,9 @@ class Checkpointer(sb_ckpt.Checkpointer):
         save (default: the ``collective_timeout`` of ddp_eval).
     async_save : bool
         Return from a save once the writer holds an in-memory snapshot (one
-        copy of the state in CPU memory, pinned with CUDA); the write, fsync,
-        commit and deletions run in a background thread (default False).
+        copy of the state in CPU memory, pinned with CUDA, kept and refilled
+        from one save to the next); the write, fsync, commit and deletions run
+        in a background thread (default False).
         Recoverables with their own savers (``mark_as_saver``, custom save
         hooks) are written during the call. At most one save is in flight:
         every later save, delete, find or recover, and :meth:`wait`, waits for
@@ -113,6 +114,8 @@ class Checkpointer(sb_ckpt.Checkpointer):
         self._writer = BackgroundWriter()
         self._failed: Optional[BaseException] = None  # a background failure not yet raised
         self._keep_only: Optional[dict] = None  # deletions of the save_and_keep_only under way
+        self.loaded: Optional[str] = None  # name of the checkpoint loaded last
+        self._buffers: Dict[str, Dict] = {}  # async_save: the snapshot's memory, refilled at each save
         self._warned = set()
 
     # Options of the commit protocol, settable as before.
@@ -239,7 +242,8 @@ class Checkpointer(sb_ckpt.Checkpointer):
 
     def _snapshot(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """In-memory copies of ``states``, or a clear error if memory cannot hold them."""
-        need = sum(state_bytes(s) for s in states.values())
+        need = sum(state_bytes(s) for s in states.values()) - sum(
+            t.untyped_storage().nbytes() for b in self._buffers.values() for t in b.values())
         available = available_memory_bytes()
         advice = (f"async_save needs one copy of the checkpointed state ({need / 2**20:.0f} MB of "
                   f"{', '.join(states)}) in CPU memory on the writer")
@@ -247,7 +251,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
             raise MemoryError(f"{advice}, but only {available / 2**20:.0f} MB are available. Free "
                               "memory, or set async_save: false to write from the live state.")
         try:
-            return {name: snapshot_state(state) for name, state in states.items()}
+            return {name: snapshot_state(state, self._buffers.setdefault(name, {})) for name, state in states.items()}
         except (MemoryError, RuntimeError) as exc:
             raise MemoryError(f"{advice}, and copying failed ({type(exc).__name__}: {exc}). Free memory, "
                               "or set async_save: false to write from the live state.") from exc
@@ -388,6 +392,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
         error = None
         try:
             super().load_checkpoint(checkpoint)
+            self.loaded = checkpoint.path.name  # named in evaluation journals
         except Exception as exc:
             name, file = _loading(sys.exc_info()[2])
             what = f"recoverable '{name}' from {file}" if file else f"checkpoint {checkpoint.path}"

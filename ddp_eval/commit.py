@@ -84,6 +84,32 @@ def _exchange_dirs(a: pathlib.Path, b: pathlib.Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
+def write_file_atomically(path: pathlib.Path, data: bytes, fsync: bool = True) -> None:
+    """Writes ``data`` to ``path`` whole or not at all: a hidden temporary file
+    beside it, flushed and fsync'ed, renamed over ``path``, the folder fsync'ed.
+
+    Example
+    -------
+    >>> target = getfixture("tmp_path") / "piece.pkl"
+    >>> write_file_atomically(target, b"state")
+    >>> target.read_bytes()
+    b'state'
+    """
+    temporary = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+
+
 def file_digest(path: pathlib.Path) -> str:
     """sha256 of a file, read in 1 MB blocks."""
     digest = hashlib.sha256()

@@ -8,7 +8,7 @@ Example
 >>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
 Traceback (most recent call last):
 ...
-ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, shard_test, shard_valid, stream_split
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split
 """
 
 from dataclasses import dataclass, field, fields
@@ -57,6 +57,19 @@ class DDPEvalConfig:
         Memory per rank for the per-batch increments of float tensor
         attributes (default 64), which keep single-process order; beyond it,
         each rank sends one total per attribute (warned about once).
+    resume_eval : bool
+        Journal sharded VALID/TEST stages, so that one interrupted (preempted,
+        killed, restarted by torchrun) resumes where it stopped when started
+        again, with any number of ranks, exactly (default True). Needs a
+        checkpointer or ``resume_eval_dir``; otherwise it is off.
+    resume_eval_every_s : float
+        Each rank journals its finished batches at most every that many
+        seconds (default 60; 0: after every batch). A resumed stage evaluates
+        again at most one interval of batches per rank.
+    resume_eval_dir : str, optional
+        Where journals live (default: ``.ddp_eval-journal`` in the
+        checkpointer's folder). It should be visible to rank 0 (on every node,
+        with several nodes); batches whose pieces it cannot read are evaluated again.
     stream_split : str
         How an ``IterableDataset`` VALID/TEST set is split: ``"batches"``
         (default: every rank reads the whole stream and evaluates its share of
@@ -75,6 +88,9 @@ class DDPEvalConfig:
     attributes_exclude: List[str] = field(default_factory=list)
     on_unmergeable_attribute: str = "warn"
     attribute_memory_mb: float = 64.0
+    resume_eval: bool = True
+    resume_eval_every_s: float = 60.0
+    resume_eval_dir: Optional[str] = None
     stream_split: str = "batches"
 
     @classmethod
@@ -98,7 +114,7 @@ class DDPEvalConfig:
         return cfg
 
     def _validate(self) -> None:
-        for name in ("shard_valid", "shard_test", "check_consistency"):
+        for name in ("shard_valid", "shard_test", "check_consistency", "resume_eval"):
             _expect(name, getattr(self, name), isinstance(getattr(self, name), bool), "true or false")
         for name in ("metrics_include", "metrics_exclude", "attributes_include", "attributes_exclude"):
             value = getattr(self, name)
@@ -112,6 +128,11 @@ class DDPEvalConfig:
         budget = self.attribute_memory_mb
         ok = isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget >= 0
         _expect("attribute_memory_mb", budget, ok, "a number of megabytes >= 0")
+        every = self.resume_eval_every_s
+        ok = isinstance(every, (int, float)) and not isinstance(every, bool) and every >= 0
+        _expect("resume_eval_every_s", every, ok, "a number of seconds >= 0")
+        folder = self.resume_eval_dir
+        _expect("resume_eval_dir", folder, folder is None or isinstance(folder, str), "a folder path or null")
         check_choice("on_unmergeable_attribute", self.on_unmergeable_attribute, ("warn", "error"))
         check_choice("stream_split", self.stream_split, ("batches", "by_dataset"))
 

@@ -4,7 +4,8 @@ Lists every entry of a checkpoints folder (written by ddp_eval or by
 SpeechBrain's own Checkpointer) with its status, complete or skipped and why,
 its meta, size and end-of-epoch flag, and names the checkpoint that
 ``recover_if_possible`` would load for the given key. The choice is made by
-:class:`ddp_eval.Checkpointer` itself, so it is the one resume makes.
+:class:`ddp_eval.Checkpointer` itself, so it is the one resume makes. It also
+lists the evaluation journals (``resume_eval``): stage, epoch, batches done.
 
     python -m ddp_eval.inspect results/demo/1986/save --min-key error_rate
     python -m ddp_eval.inspect save/ --verify --json
@@ -12,7 +13,7 @@ its meta, size and end-of-epoch flag, and names the checkpoint that
 Options: ``--min-key K`` / ``--max-key K`` (as ``recover_if_possible``),
 ``--verify`` (also check sha256 where recorded), ``--require a,b`` (the
 recoverables a checkpoint must hold; default: inferred from the folder),
-``--json``.
+``--journal DIR`` (journals elsewhere than ``FOLDER/.ddp_eval-journal``), ``--json``.
 
 Example
 -------
@@ -34,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval.commit import MANIFEST_KEY, TMP_PREFIX, TRASH_PREFIX, inspect_checkpoint_dir, read_meta
+from ddp_eval.journal import JOURNAL_DIRNAME, describe_journals
 
 _LEFTOVERS = {
     TMP_PREFIX: "temporary directory: a save in progress, or the leftover of a crash; never "
@@ -76,7 +78,8 @@ def _entry(path: pathlib.Path, required: Sequence[str], verify: bool) -> Dict[st
 
 
 def describe_folder(folder, min_key: Optional[str] = None, max_key: Optional[str] = None,
-                    verify: bool = False, required: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+                    verify: bool = False, required: Optional[Sequence[str]] = None,
+                    journal_root=None) -> Dict[str, Any]:
     """Everything ``python -m ddp_eval.inspect`` reports, as a dict."""
     from ddp_eval.checkpoint import Checkpointer  # the choice resume makes
 
@@ -96,7 +99,8 @@ def describe_folder(folder, min_key: Optional[str] = None, max_key: Optional[str
         quiet.level = level
     return {"folder": str(folder), "required": required, "required_inferred": inferred,
             "keys": {"min_key": min_key, "max_key": max_key},
-            "checkpoints": checkpoints, "would_load": chosen.path.name if chosen else None}
+            "checkpoints": checkpoints, "would_load": chosen.path.name if chosen else None,
+            "journals": describe_journals(journal_root or folder / JOURNAL_DIRNAME)}
 
 
 def _human(size: Optional[int]) -> str:
@@ -124,6 +128,12 @@ def format_report(report: Dict[str, Any]) -> str:
             lines.append(f"  {c['name']}  skipped: {c['reason']}")
     keys = ", ".join(f"{k}={v!r}" for k, v in report["keys"].items() if v is not None)
     lines.append(f"recover_if_possible({keys}) would load: {report['would_load'] or 'nothing (no match)'}")
+    for j in report["journals"]:
+        total = j["batches"] if j["batches"] is not None else "? (a stream)"
+        done = "; ".join(f"model {m}: {n} of {total} batches done" for m, n in j["done_by_model"].items())
+        lines.append(f"evaluation journal {j['folder']}: {j['stage']}, epoch {j['epoch']}, {j['pieces']} piece(s); "
+                     f"{done or 'nothing readable'}; checkpoint(s) {', '.join(j['checkpoints']) or '-'}"
+                     + (f"; damaged: {', '.join(j['damaged'])}" if j["damaged"] else ""))
     return "\n".join(lines)
 
 
@@ -135,6 +145,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     keys.add_argument("--max-key", help="as recover_if_possible(max_key=...)")
     parser.add_argument("--verify", action="store_true", help="also verify sha256 checksums where recorded")
     parser.add_argument("--require", help="comma-separated recoverables every checkpoint must hold")
+    parser.add_argument("--journal", type=pathlib.Path, help="evaluation journals folder (default: "
+                        f"FOLDER/{JOURNAL_DIRNAME})")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
@@ -142,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "(the checkpointer's checkpoints_dir).", file=sys.stderr)
         return 2
     required = [r for r in args.require.split(",") if r] if args.require is not None else None
-    report = describe_folder(args.folder, args.min_key, args.max_key, args.verify, required)
+    report = describe_folder(args.folder, args.min_key, args.max_key, args.verify, required, args.journal)
     print(json.dumps(report, indent=1, default=str) if args.json else format_report(report))
     return 0
 

@@ -22,6 +22,7 @@ Example
 """
 
 import array
+import bisect
 import itertools
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -220,6 +221,7 @@ class MetricRecorder:
         self.objects = finder.find(owner)
         self.start: Snapshot = snapshot(self.objects)
         self.batches = 0
+        self._piece_from, self._piece_numbers = 0, self.start  # where the next journal piece starts
         self._last: Dict[Tuple[str, str], int] = {}
         self._changes: Dict[Tuple[str, str], array.array] = {}  # batch, length, batch, length, ...
         for path, sub in _all_flat(self.objects):
@@ -253,20 +255,30 @@ class MetricRecorder:
         """
         self.objects = self.finder.find(owner)
         self._note(self.batches)  # anything appended after the last batch
-        places = list(positions[: self.batches]) + [math.inf]
+        return self._state(0, list(positions[: self.batches]) + [math.inf], self.start)
+
+    def piece(self, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
+        """What the batches since the previous piece (or stage start) appended,
+        in :meth:`finish`'s format, for a journal; :meth:`finish` is unaffected."""
+        state = self._state(self._piece_from, list(positions[: self.batches]), self._piece_numbers)
+        self._piece_from, self._piece_numbers = self.batches, snapshot(self.objects)
+        return state
+
+    def _state(self, from_batch: int, places: Sequence[float], numbers_before: Snapshot) -> Dict[str, Dict[str, Any]]:
         state: Dict[str, Dict[str, Any]] = {}
         for path, sub in _all_flat(self.objects):
             lists, numbers = {}, {}
-            before = self.start.get(path, {})
+            started = self.start.get(path, {})
             for name, value in vars(sub).items():
                 if isinstance(value, list):
-                    first = before.get(name, 0)
                     changes = self._changes.get((path, name), array.array("q"))
-                    bounds = [first] + list(changes[1::2])
+                    batches, lengths = changes[0::2], changes[1::2]
+                    first = bisect.bisect_left(batches, from_batch)
+                    bounds = [lengths[first - 1] if first else started.get(name, 0)] + list(lengths[first:])
                     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-                    lists[name] = ([places[i] for i in changes[0::2]], sizes, _pack(value[first:]))
+                    lists[name] = ([places[i] for i in batches[first:]], sizes, _pack(value[bounds[0]: bounds[-1]]))
                 elif _is_number(value):
-                    numbers[name] = value - before.get(name, 0)
+                    numbers[name] = value - numbers_before.get(path, {}).get(name, 0)
             state[path] = {"lists": lists, "numbers": numbers}
         return state
 

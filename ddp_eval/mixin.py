@@ -2,6 +2,7 @@
 
 import gc
 import logging
+import pathlib
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from ddp_eval.attributes import AttributeTracker, merge_attribute_states, resolv
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.consistency import check_states_agree, state_summaries
 from ddp_eval.errors import ConfigError, DDPEvalError
+from ddp_eval.journal import JOURNAL_DIRNAME
 from ddp_eval.metrics import (
     MetricFinder,
     MetricRecorder,
@@ -24,7 +26,8 @@ from ddp_eval.metrics import (
     merge_metric_stats,
 )
 from ddp_eval.outside import changed_outside, outside_markers
-from ddp_eval.sharding import global_batch_ids, is_sharded, shard_dataloader
+from ddp_eval.resume import StageResume
+from ddp_eval.sharding import ShardedStreamLoader, global_batch_ids, is_sharded, shard_dataloader
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class _StageRun:
     metrics: Optional[MetricRecorder] = None  # list lengths of metric objects, per batch
     attributes: Optional[AttributeTracker] = None  # Brain attributes and included paths
     outside: Dict[str, Any] = field(default_factory=dict)  # state outside the Brain at start
+    resume: Optional[StageResume] = None  # the stage's journal, and what it resumed
     loss_sum: float = 0.0
     loss_count: int = 0
 
@@ -151,6 +155,8 @@ class DDPEvalMixin:
             objects = run.metrics.after_batch(self)
             run.attributes.add({n: (self, n) for n in self._ddp_attribute_names(objects)})
             run.attributes.after_batch()
+            if run.resume is not None:
+                run.resume.after_batch(self, run)
         return super().update_average(loss, avg_loss)
 
     # -- internals ---------------------------------------------------------
@@ -158,7 +164,18 @@ class DDPEvalMixin:
     def _ddp_should_shard(self, stage) -> bool:
         cfg = self.ddp_eval_config
         wanted = {sb.Stage.VALID: cfg.shard_valid, sb.Stage.TEST: cfg.shard_test}
-        return wanted.get(stage, False) and dist.get_world_size() > 1
+        # One process shards too (into one share) when it journals: it may resume a journal.
+        return wanted.get(stage, False) and (dist.get_world_size() > 1 or self._ddp_journal_root() is not None)
+
+    def _ddp_journal_root(self):
+        """Where journals live, or None when resume_eval is off or has no folder."""
+        cfg = self.ddp_eval_config
+        if not cfg.resume_eval:
+            return None
+        if cfg.resume_eval_dir is not None:
+            return pathlib.Path(cfg.resume_eval_dir)
+        folder = getattr(self.checkpointer, "checkpoints_dir", None) if self.checkpointer else None
+        return None if folder is None else pathlib.Path(folder) / JOURNAL_DIRNAME
 
     def _ddp_attribute_names(self, metric_objects) -> List[str]:
         """Plain attributes of the recipe's Brain that may be merged (not those
@@ -202,6 +219,10 @@ class DDPEvalMixin:
                 run.attributes = AttributeTracker(self._ddp_attribute_targets(run.metrics.objects),
                                                   cfg.attribute_memory_mb)
                 run.outside = self._ddp_outside_markers()
+                root = self._ddp_journal_root()
+                by_dataset = isinstance(loader, ShardedStreamLoader) and loader.split == "by_dataset"
+                if root is not None and not by_dataset:  # by_dataset positions differ per rank: no resume
+                    run.resume = StageResume.open(self, stage, epoch, run, root, cfg.resume_eval_every_s)
             self._ddp_run = run
 
         on_stage_start.__doc__ = user_on_stage_start.__doc__
@@ -209,6 +230,7 @@ class DDPEvalMixin:
 
     def _ddp_wrap_stage_end(self, user_on_stage_end):
         def on_stage_end(stage, stage_loss, epoch=None):
+            run = self._ddp_run  # a nested evaluate() in on_stage_end replaces it
             stage_loss = self._ddp_sync_stage(stage, stage_loss)
             check = self.ddp_eval_config.check_consistency
             error, payload = None, None
@@ -221,6 +243,8 @@ class DDPEvalMixin:
             except BaseException as exc:  # noqa: B036 - re-raised by exchange
                 error = exc
             per_rank = dist.exchange(f"{stage.name} on_stage_end", payload, error=error)
+            if run is not None and run.resume is not None:
+                run.resume.close()  # on_stage_end has finished on every rank
             if check:
                 check_states_agree(per_rank, stage.name)
             self._ddp_run = None
@@ -234,8 +258,9 @@ class DDPEvalMixin:
     def _ddp_sync_stage(self, stage, stage_loss):
         """Returns the global stage loss after merging metrics (collective)."""
         run = self._ddp_run
-        if dist.get_world_size() == 1:
-            return stage_loss
+        resumed = run is not None and run.resume is not None and run.resume.done
+        if dist.get_world_size() == 1 and not resumed:
+            return stage_loss  # one process that evaluated everything itself: nothing to merge
         if stage == sb.Stage.TRAIN:
             dist.exchange("TRAIN stage end")
             total, count = dist.all_reduce_sum([stage_loss * self.step, self.step])
@@ -254,16 +279,20 @@ class DDPEvalMixin:
             outside = {label: why for label, why in
                        changed_outside(run.outside, self._ddp_outside_markers()).items()
                        if label not in excluded}
-            packed = pickle.dumps((metric_state, attribute_state))
+            old = run.resume.old_states() if run.resume is not None else []
+            packed = pickle.dumps((metric_state, attribute_state, old))
         except Exception as exc:
             error = exc
         per_rank = dist.exchange(f"{stage.name} stage end",
                                  (describe_objects(objects), unmergeable, outside), error=error)
         check_same_objects([p[0] for p in per_rank], stage.name)
         self._ddp_report_unmergeable(stage, [p[1] for p in per_rank], [p[2] for p in per_rank])
-        total, count = dist.all_reduce_sum([run.loss_sum, run.loss_count])
+        old_sum, old_count = run.resume.old_loss() if run.resume is not None else (0.0, 0)
+        total, count = dist.all_reduce_sum([run.loss_sum + old_sum, run.loss_count + old_count])
         with _gc_paused():  # unpickling many small objects triggers costly full GCs
             states = [pickle.loads(view) for view in dist.all_gather_bytes(packed)]
+            # every rank's stage, then the journal's pieces (rank 0 sent them): all by global position
+            states = [(m, a) for m, a, _ in states] + [piece for _, _, old in states for piece in old]
             apply_merged(objects, run.metrics.start, merge_metric_stats([m for m, _ in states]))
             run.attributes.apply(merge_attribute_states([a for _, a in states]), self._ddp_locate)
         loss = total / count if count else 0.0

@@ -17,12 +17,13 @@ Example
 []
 """
 
-from typing import Iterable, Iterator, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from ddp_eval import dist
 from ddp_eval.errors import ConfigError
+from ddp_eval.journal import batch_ids_digest
 
 
 def batch_owner(index: int, world_size: int) -> int:
@@ -67,18 +68,28 @@ class ShardedBatchSampler(Sampler):
         self.batch_sampler = batch_sampler
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.done: frozenset = frozenset()
+
+    def skip(self, done: Iterable[int]) -> None:
+        """From now on, deal only the batches not in ``done`` (global positions),
+        in the same snake order (a resumed evaluation; empty: every batch)."""
+        self.done = frozenset(done)
 
     def __iter__(self) -> Iterator[List[int]]:
+        mine = set(self.global_batch_ids())
         for index, batch in enumerate(self.batch_sampler):
-            if batch_owner(index, self.world_size) == self.rank:
+            if index in mine:
                 yield batch
 
     def __len__(self) -> int:
-        return len(shard_batches(len(self.batch_sampler), self.rank, self.world_size))
+        return len(self.global_batch_ids())
 
     def global_batch_ids(self) -> List[int]:
         """Global position of each batch this rank yields, in yield order."""
-        return shard_batches(len(self.batch_sampler), self.rank, self.world_size)
+        if not self.done:
+            return shard_batches(len(self.batch_sampler), self.rank, self.world_size)
+        remaining = [i for i in range(len(self.batch_sampler)) if i not in self.done]
+        return [remaining[k] for k in shard_batches(len(remaining), self.rank, self.world_size)]
 
     def set_epoch(self, epoch: int) -> None:
         """Forwards ``set_epoch`` (e.g. to a ``DynamicBatchSampler``)."""
@@ -105,13 +116,44 @@ class ShardedStreamLoader(DataLoader):
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self._yielded: List[int] = []
+        self.digests: Dict[int, Optional[str]] = {}  # position -> digest of its ids, of batches yielded
+        self.done: frozenset = frozenset()
+        self._expected: Dict[int, Optional[str]] = {}
+
+    def skip(self, done: Iterable[int], expected: Optional[Dict[int, Optional[str]]] = None) -> None:
+        """From now on, read past the batches in ``done`` without yielding them
+        (``split="batches"`` only), checking their ids against ``expected``
+        digests, and deal the others in snake order (a resumed evaluation)."""
+        self.done, self._expected = frozenset(done), dict(expected or {})
 
     def __iter__(self):
         self._yielded = yielded = []
+        self.digests = {}
+        remaining = 0
         for index, batch in enumerate(super().__iter__()):
-            if self.split == "by_dataset" or batch_owner(index, self.world_size) == self.rank:
+            if self.split == "by_dataset":
                 yielded.append(index)
                 yield batch
+                continue
+            if index in self.done:
+                self._check(index, batch)
+                continue
+            if batch_owner(remaining, self.world_size) == self.rank:
+                yielded.append(index)
+                self.digests[index] = batch_ids_digest(batch)
+                yield batch
+            remaining += 1
+
+    def _check(self, index: int, batch) -> None:
+        expected = self._expected.get(index)
+        found = batch_ids_digest(batch)
+        if expected is not None and found is not None and found != expected:
+            raise ConfigError(
+                f"ddp_eval: resuming from a journal, the stream's batch {index} holds other utterances "
+                f"than when it was journaled (ids digest {found}, journal {expected}); expected the same "
+                "stream, read in the same order. Delete the journal (ddp_eval: resume_eval_dir, or "
+                ".ddp_eval-journal in the checkpoints folder) or set resume_eval: false."
+            )
 
     def __len__(self) -> int:
         raise TypeError("a sharded stream has no length before it is read")

@@ -4,12 +4,12 @@ same checkpoint with 1 and with 2 processes and compare the reports."""
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.processes import kill_when
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,25 +71,6 @@ def test_demo_recipe(tmp_path):
     assert re.search(r"test accuracy: [0-9.e+-]+", stats)
 
 
-def _descendants(pid):
-    """Every process below ``pid`` (torchrun's workers may sit in sessions of their own)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def test_demo_recipe_resumes_after_sigkill(tmp_path):
     """Kill the whole torchrun job (SIGKILL) once a checkpoint exists, then rerun."""
     output = tmp_path / "run"
@@ -99,23 +80,11 @@ def test_demo_recipe_resumes_after_sigkill(tmp_path):
            "--distributed_backend=gloo", "--number_of_epochs=30"]
     job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and job.poll() is None:
-            save = output / "save"
-            if save.is_dir() and any(d.startswith("CKPT") for d in os.listdir(save)):
-                break
-            time.sleep(0.05)
-        assert job.poll() is None, "the job ended before it could be killed"
-    finally:
-        workers = _descendants(job.pid)
-        os.killpg(job.pid, signal.SIGKILL)  # torchrun and both workers, mid-training
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait()
+    def checkpointed():
+        save = output / "save"
+        return save.is_dir() and any(d.startswith("CKPT") for d in os.listdir(save))
+
+    kill_when(job, checkpointed)  # torchrun and both workers, mid-training
     epochs_before = [int(line.split(",")[0].split()[1]) for line in _lines(output / "train_log.txt")
                      if line.startswith("epoch")]
     _run("recipes/demo/train.py", "hparams/demo.yaml", output, "--number_of_epochs=30")

@@ -280,3 +280,43 @@ def test_metric_finder_scans_only_what_a_container_gained():
     assert list(finder.find(h)) == ["metrics[a]", "scores[10]"]
     h.metrics["a"] = sb.utils.metric_stats.ErrorRateStats()  # replaced: the new one is found
     assert finder.find(h)["metrics[a]"] is h.metrics["a"]
+
+
+def test_journal_pieces_merge_to_the_whole_stage():
+    """A rank's pieces (cut every 3 batches) merge to what its whole-stage state merges to."""
+    from ddp_eval.attributes import AttributeTracker, merge_attribute_states
+
+    h = types.SimpleNamespace(err=sb.utils.metric_stats.ErrorRateStats(), acc=sb.utils.Accuracy.AccuracyStats(),
+                              items=[], seen={"old": 0}, n=0, total=0.0, counts=torch.zeros(4, dtype=torch.long),
+                              vec=torch.zeros(3, dtype=torch.float64))
+    recorder = MetricRecorder(MetricFinder(), h)
+    tracker = AttributeTracker({n: (h, n) for n in ("items", "seen", "n", "total", "counts", "vec")})
+    positions = [3 * b + 1 for b in range(10)]
+    metric_pieces, attribute_pieces = [], []
+    for b in range(10):
+        h.err.append([f"u{b}"], [["a", "b"][: 1 + b % 2]], [["a", "c"]])
+        h.acc.append(torch.randn(1, 1, 3).log_softmax(-1), torch.tensor([[b % 3]]), torch.ones(1))
+        h.items.append(b)
+        h.seen[f"u{b}"] = b
+        if b == 4:
+            h.seen["old"] = 4  # a replaced value
+        h.n += b
+        h.total += 0.1 * b
+        h.counts[b % 4] += 1
+        h.vec += b * 0.5
+        recorder.after_batch(h)
+        tracker.after_batch()
+        if b % 3 == 2:
+            metric_pieces.append(recorder.piece(positions))
+            attribute_pieces.append(tracker.piece(positions))
+    metric_pieces.append(recorder.piece(positions))
+    attribute_pieces.append(tracker.piece(positions))
+    whole_metrics = merge_metric_stats([recorder.finish(h, positions)])
+    assert merge_metric_stats(metric_pieces) == whole_metrics
+    whole = merge_attribute_states([tracker.finish(positions)[2]])
+    pieced = merge_attribute_states(attribute_pieces)
+    assert pieced["items"] == whole["items"] and pieced["seen"] == whole["seen"] and pieced["n"] == whole["n"]
+    assert pieced["seen"][1][1] == {"old": 4}
+    assert torch.equal(pieced["counts"][1], whole["counts"][1])
+    assert [float(x) for x in pieced["total"][1]] == [float(x) for x in whole["total"][1]]
+    assert torch.equal(torch.stack(list(pieced["vec"][1])), torch.stack(list(whole["vec"][1])))

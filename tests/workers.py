@@ -165,3 +165,61 @@ def alignment_example(rank, world_size, ddp_eval_opts):
     out = alignment.run(alignment.DDPAlignBrain, ddp_eval_opts)
     out["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
     return out
+
+
+def save_test_checkpoint(directory, shift=0.0, loss=1.0):
+    """One checkpoint of the toy model (weights shifted by ``shift``) with meta loss ``loss``."""
+    import torch
+
+    brain = toy.build(toy.ToyBrain, directory, epochs=1)
+    with torch.no_grad():
+        brain.modules.model[0].weight.add_(shift)
+    brain.checkpointer.save_checkpoint(meta={"loss": loss})
+
+
+TEST_SET = (23, 2, "tst")  # 23 utterances: 12 batches of 2
+
+
+def plain_test(directory, batch_size=2, stream=False):
+    """One plain SpeechBrain process evaluating the best checkpoint: the reference."""
+    import speechbrain as sb
+
+    brain = toy.build(toy.FullBrain, directory, epochs=1, checkpointer_cls=sb.utils.checkpoints.Checkpointer)
+    loss = brain.evaluate(*_test_args(batch_size, stream))
+    return {"loss": loss, "log": brain.log[-1]}
+
+
+def _test_args(batch_size, stream):
+    from speechbrain.dataio.batch import PaddedBatch
+
+    data = toy.make_dataset(*TEST_SET)
+    kwargs = {"batch_size": batch_size}
+    if stream:
+        data, kwargs = toy.UtteranceStream(data), {"batch_size": batch_size, "collate_fn": PaddedBatch}
+    return data, None, "loss", None, kwargs
+
+
+def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size=2, stream=False, opts=None):
+    """The mixin evaluates the best checkpoint, journaling after every batch; with
+    ``interrupt_after`` each rank stops after that many batches (all ranks raise)."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    logging.getLogger("ddp_eval").setLevel(logging.INFO)
+    cls = type("Converted", (ddp_eval.DDPEvalMixin, toy.FullBrain), {})
+    brain = toy.build(cls, directory, epochs=1, ddp_eval_opts={"resume_eval_every_s": 0, **(opts or {})})
+    brain.interrupt_after = interrupt_after
+    out = {"notes": [], "batches": 0, "ids": []}
+    try:
+        out["loss"] = brain.evaluate(*_test_args(batch_size, stream))
+        out["log"] = brain.log[-1]
+    except ddp_eval.DDPEvalError as error:  # the other ranks of an interrupted one
+        out["error"] = type(error).__name__
+    except toy.Interrupted:
+        out["error"] = "Interrupted"
+    out["batches"], out["ids"] = getattr(brain.seen, "batches", 0), list(brain.seen.ids)
+    out["notes"] = [r.getMessage() for r in records if r.levelno >= logging.INFO]
+    return out
