@@ -3,7 +3,9 @@
 Modes
 -----
 plain   : sb.Brain, every rank evaluates the whole set (SpeechBrain today)
-mixin   : DDPEvalMixin, each rank evaluates its shard
+mixin   : DDPEvalMixin, each rank evaluates its shard (no journal: no checkpointer)
+mixin+journal, mixin+journal0 : the same, journaling for resume_eval every 60 s
+          (the default) or after every batch, into out/journal-<mode>
 merge   : cost of the cross-rank merge of 10,000 utterances of metric state
 
 Writes a JSON line of measurements from rank 0 to the file given as argv[3].
@@ -81,6 +83,9 @@ def evaluation(mode, manifest):
     torch.manual_seed(0)
     encoder = ConvGRUEncoder(n_mels=40, hidden=192, n_outputs=16)
     hparams = {"fbank": sb.lobes.features.Fbank(sample_rate=8000, n_fft=256, n_mels=40)}
+    if mode.startswith("mixin+journal"):
+        hparams["ddp_eval"] = {"resume_eval_dir": os.path.join(os.path.dirname(manifest), f"journal-{mode}"),
+                               "resume_eval_every_s": 0 if mode.endswith("0") else 60}
     base = sb.Brain if mode == "plain" else type("M", (ddp_eval.DDPEvalMixin, sb.Brain), {})
     brain = _eval_brain_class(base)(
         modules={"encoder": encoder}, hparams=hparams,

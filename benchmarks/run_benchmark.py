@@ -9,6 +9,8 @@ recordings, or on generated data without FSDD):
     rank evaluates everything) vs DDPEvalMixin with 1 and 2 processes;
   * load balance: each rank's busy time with length-sorted data, max/mean;
   * the cross-rank merge of 10,000 utterances of ErrorRateStats + BinaryMetricStats;
+  * the cost of resume_eval's journal (default interval, and after every batch),
+    median of 3 interleaved runs each;
   * save time of a ~50 MB model: SpeechBrain's Checkpointer vs ddp_eval's
     (with and without fsync).
 Every process uses one thread (OMP_NUM_THREADS=1). Writes out/results.json,
@@ -121,6 +123,10 @@ def main():
     for key, mode, nproc in (("plain_2", "plain", 2), ("mixin_1", "mixin", 1), ("mixin_2", "mixin", 2)):
         runs[key] = torchrun(mode, nproc, path, os.path.join(OUT, f"{key}.jsonl"))
     merge = torchrun("merge", 2, path, os.path.join(OUT, "merge.jsonl"))
+    journal = {mode: [] for mode in ("mixin", "mixin+journal", "mixin+journal0")}
+    for _ in range(3):  # interleaved: the differences are small against run-to-run noise
+        for mode in journal:
+            journal[mode].append(torchrun(mode, 2, path, os.path.join(OUT, f"journal-{mode}.jsonl"))["eval_s"])
     size_mb, saves = checkpoint_costs()
     busy = runs["mixin_2"]["busy_s"]
     per_utt = runs["mixin_2"]["eval_s"] / n
@@ -134,6 +140,9 @@ def main():
         "save_ratio_no_fsync": saves["ddp_eval, no fsync"] / saves["speechbrain"],
         "save_ratio_fsync": saves["ddp_eval, fsync"] / saves["speechbrain"],
         "identical_wer": len({r["summary_wer"] for r in runs.values()}) == 1,
+        "journal_eval_s": journal,
+        "journal_overhead": {m: statistics.median(t) / statistics.median(journal["mixin"]) - 1
+                             for m, t in journal.items() if m != "mixin"},
         "total_s": time.perf_counter() - started,
     }
     with open(os.path.join(OUT, "results.json"), "w") as f:
@@ -164,6 +173,8 @@ def table(r):
         f"| save, ddp_eval.Checkpointer, fsync on | {r['save_s']['ddp_eval, fsync'] * 1000:.0f} ms ({r['save_ratio_fsync']:.2f}x) | |",
         f"| save, ddp_eval.Checkpointer, fsync off | {r['save_s']['ddp_eval, no fsync'] * 1000:.0f} ms ({r['save_ratio_no_fsync']:.2f}x) | <= 1.1x |",
         f"| same WER in all three evaluations | {r['identical_wer']} | True |",
+        f"| resume_eval journal, default interval (60 s), 2 proc: evaluation | {statistics.median(r['journal_eval_s']['mixin+journal']):.2f} s vs {statistics.median(r['journal_eval_s']['mixin']):.2f} s ({100 * r['journal_overhead']['mixin+journal']:+.1f} %) | <= 1 % |",
+        f"| resume_eval journal after every batch, 2 proc: evaluation | {statistics.median(r['journal_eval_s']['mixin+journal0']):.2f} s ({100 * r['journal_overhead']['mixin+journal0']:+.1f} %) | |",
         f"| benchmark wall time | {r['total_s']:.0f} s | <= 300 s |",
     ]
     return "\n".join(rows)
