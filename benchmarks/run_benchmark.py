@@ -66,7 +66,9 @@ def torchrun(mode, nproc, manifest_path, out):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", os.path.join(ROOT, "benchmarks", "eval_worker.py"),
            mode, manifest_path, out]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} on {nproc} processes failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     with open(out) as f:
         return json.loads(f.read().splitlines()[-1])
 

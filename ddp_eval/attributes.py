@@ -162,8 +162,37 @@ class _Track:
             self.start_items = dict(value) if isinstance(value, dict) else None  # references only
         elif isinstance(value, torch.Tensor):
             self.version, self.spec = value._version, (value.shape, value.dtype)
-            self.base = self.previous = _cpu_copy(value)
+            self.start_version, self.zero_start = value._version, False
         self.last = self._marker(value)
+
+    def keep_start(self, tracker: "AttributeTracker") -> None:
+        """What a tensor's increments will be taken from: nothing if it is zero (a
+        fresh accumulator) or reassigned later (the start object stays intact);
+        a CPU copy, within the budget, for a batch that changes it in place."""
+        value = self.start
+        if not isinstance(value, torch.Tensor):
+            return
+        try:
+            self.zero_start = not bool(value.detach().any())
+        except RuntimeError:  # a dtype without any()
+            self.zero_start = False
+        if not self.zero_start and tracker.reserve(value.nelement() * value.element_size()):
+            self.base = _cpu_copy(value)
+
+    def start_tensor(self) -> Optional[torch.Tensor]:
+        """The tensor at stage start, on the CPU (None: it did not exist then).
+
+        Raises ``LookupError`` if it was changed in place without a start copy.
+        """
+        if self.start is ABSENT or self.base is not None:
+            return self.base
+        if self.zero_start:
+            self.base = torch.zeros(self.spec[0], dtype=self.spec[1])
+        elif isinstance(self.start, torch.Tensor) and self.start._version == self.start_version:
+            self.base = _cpu_copy(self.start)  # replaced by another object, itself untouched
+        else:
+            raise LookupError(self.label)
+        return self.base
 
     @staticmethod
     def _marker(value: Any) -> Any:
@@ -223,8 +252,17 @@ class _Track:
             self._fail("a tensor that changed shape or dtype during the stage")
             return
         self.obj, self.version, self.changed = value, value._version, True
+        try:
+            start = self.start_tensor()
+        except LookupError:
+            mb = value.nelement() * value.element_size() / 2**20
+            self._fail(f"a {mb:.0f} MB tensor changed in place, and ddp_eval: attribute_memory_mb "
+                       f"({tracker.budget_bytes / 2**20:g} MB) had no room for its start copy; raise it, "
+                       "or list the attribute in attributes_exclude")
+            return
         if _exact_dtype(value) or self.totals:
             return  # one increment per rank, taken at stage end
+        self.previous = start if self.previous is None else self.previous
         current = value.detach().cpu()  # a transient copy if on a GPU
         increment = current.clone() if self.previous is None else current - self.previous
         if not tracker.reserve(increment.nelement() * increment.element_size()):
@@ -319,7 +357,7 @@ class _Track:
         if isinstance(value, torch.Tensor):
             if kind == "sum" or self.totals:
                 end = _cpu_copy(value)
-                before = self.mark if piece else self.base
+                before = self.mark if piece and self.mark is not None else self.start_tensor()
                 delta = end if before is None else end - before
                 if piece:
                     self.mark = end
@@ -375,6 +413,8 @@ class AttributeTracker:
         self._piece_from = 0  # where the next journal piece starts
         self.tracks = {label: _Track(label, owner, name, get_value(owner, name))
                        for label, (owner, name) in targets.items()}
+        for track in self.tracks.values():
+            track.keep_start(self)
 
     def add(self, targets: Mapping[str, Tuple[Any, str]]) -> None:
         """Watches ``targets`` not watched yet: created during the stage, so
@@ -443,7 +483,8 @@ class AttributeTracker:
             if track is None:
                 owner, name = locate(label)
                 track = _Track(label, owner, name, ABSENT)
-            _apply_one(track, kind, data)
+            if track.why is None:  # an unmergeable one stays rank-local (and is reported)
+                _apply_one(track, kind, data)
 
 
 def _apply_one(track: _Track, kind: str, data: Any) -> None:
@@ -467,7 +508,7 @@ def _apply_one(track: _Track, kind: str, data: Any) -> None:
         current.update(new_items)
     else:
         if isinstance(current, torch.Tensor) or isinstance(start, torch.Tensor):
-            value = track.base
+            value = track.start_tensor()
             for increment in (data if kind == "accumulate" else [data]):
                 value = increment.clone() if value is None else value + increment
             if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:

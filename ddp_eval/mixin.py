@@ -118,7 +118,13 @@ class DDPEvalMixin:
         """Why: SpeechBrain shards only TRAIN; this also shards VALID and TEST."""
         loader = super().make_dataloader(dataset, stage, ckpt_prefix, **loader_kwargs)
         if self._ddp_should_shard(stage):
-            loader = shard_dataloader(loader, self.ddp_eval_config.stream_split)
+            try:
+                loader = shard_dataloader(loader, self.ddp_eval_config.stream_split)
+            except ConfigError:
+                if dist.get_world_size() > 1:
+                    raise
+                # one process only shards to journal; a loader that cannot be (shuffled) stays as it is
+                logger.info(f"ddp_eval: the {stage.name} loader cannot be sharded; not journaled.")
         self._ddp_loaders[stage] = loader
         return loader
 

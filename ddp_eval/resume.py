@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ddp_eval import dist
+from ddp_eval.commit import TMP_PREFIX
 from ddp_eval.journal import (
     JournalKey,
     StageJournal,
@@ -76,6 +77,7 @@ class StageResume:
         self.model: Optional[str] = None  # this stage's model fingerprint, once computed
         self.journaled_batches = 0  # this rank's batches already in a piece
         self.journaled_loss = (0.0, 0)
+        self.failed = False
 
     @classmethod
     def open(cls, brain: Any, stage: Any, epoch: Optional[int], run: Any, root, every_s: float) -> "StageResume":
@@ -84,7 +86,10 @@ class StageResume:
         if dist.get_rank() == 0:
             try:
                 data, batches = _data_key(run.loader)
-                layout = layout_fingerprint(describe_objects(run.metrics.objects), list(run.attributes.tracks))
+                # Metric objects and the paths listed: what every run of the stage has (Brain
+                # attributes left by earlier stages differ, e.g. none after a restart skipped fit).
+                listed = [label for label in run.attributes.tracks if "." in label]
+                layout = layout_fingerprint(describe_objects(run.metrics.objects), listed)
                 key = JournalKey(stage.name, epoch, data, batches, layout)
                 checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
                 old, notes = find_resumable(root, key, lambda: model_fingerprint(_model_modules(brain)),
@@ -109,9 +114,23 @@ class StageResume:
         return cls(StageJournal(root, key, dist.get_rank(), every_s), done, old)
 
     def after_batch(self, brain: Any, run: Any) -> None:
-        """Writes this rank's piece of the batches since the previous one, if due."""
-        if not self.journal.due():
+        """Writes this rank's piece of the batches since the previous one, if due.
+
+        A piece that cannot be written (disk full, permissions) is warned about
+        once; this rank then stops journaling for the stage: the evaluation goes on,
+        and its later batches would be evaluated again after an interruption.
+        """
+        if self.failed or not self.journal.due():
             return
+        try:
+            self._write(brain, run)
+        except OSError as exc:
+            self.failed = True
+            logger.warning(f"ddp_eval: rank {dist.get_rank()} could not write its evaluation journal in "
+                           f"{self.journal.folder} ({type(exc).__name__}: {exc}); it stops journaling this "
+                           "stage, whose results are unaffected. Check resume_eval_dir.")
+
+    def _write(self, brain: Any, run: Any) -> None:
         if self.model is None:
             self.model = model_fingerprint(_model_modules(brain))
         positions = global_batch_ids(run.loader)
@@ -133,8 +152,10 @@ class StageResume:
         return (sum(piece["loss"][0] for _, piece in self.old), sum(piece["loss"][1] for _, piece in self.old))
 
     def close(self) -> None:
-        """After on_stage_end on every rank: each rank removes its pieces, rank 0 the resumed ones."""
-        remove_pieces(list(self.journal.written) + [path for path, _ in self.old])
+        """After on_stage_end on every rank: each rank removes its pieces, rank 0 the
+        resumed ones and the leftovers of writes a crash cut short."""
+        leftovers = list(self.journal.folder.glob(f"{TMP_PREFIX}*")) if dist.get_rank() == 0 else []
+        remove_pieces(list(self.journal.written) + [path for path, _ in self.old] + leftovers)
 
     def describe(self) -> Dict[str, Any]:
         return {"done": len(self.done), "old_pieces": len(self.old), "written": len(self.journal.written)}

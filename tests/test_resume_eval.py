@@ -29,9 +29,10 @@ def assert_as_one_process(out, reference):
 
 
 def interrupt(directory, world_size, after, batch_size=2, stream=False):
-    """Every rank evaluates ``after`` batches, then all stop: the journal holds them."""
-    outcomes = results(run_ranks(workers.resumable_test, world_size, directory, after, batch_size, stream,
-                                 timeout=120))
+    """Every rank evaluates ``after`` batches, then all stop: the journal holds them.
+    The interrupted run had fit() first (the resumed ones do not)."""
+    outcomes = results(run_ranks(workers.resumable_test, world_size, directory, after, batch_size, stream, None,
+                                 True, timeout=120))
     assert {o.get("error") for o in outcomes} <= {"Interrupted", "RankFailedError"}
     return outcomes
 
@@ -97,3 +98,24 @@ def test_truncated_piece_is_skipped_and_its_batches_evaluated_again(tmp_path):
         assert_as_one_process(rank_out, reference)
     assert sum(o["batches"] for o in out) == TOTAL_BATCHES - 3
     assert f"skipping damaged journal piece {pieces[0]}" in " ".join(out[0]["notes"])
+
+
+def test_a_journal_that_cannot_be_written_leaves_the_evaluation_exact(tmp_path):
+    """One process; resume_eval_dir below a file: every piece fails to be written."""
+    workers.save_test_checkpoint(tmp_path)
+    reference = workers.plain_test(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    out = workers.resumable_test(0, 1, str(tmp_path), opts={"resume_eval_dir": str(tmp_path / "a-file" / "j")})
+    assert_as_one_process(out, reference)
+    failed = [n for n in out["notes"] if "could not write its evaluation journal" in n]
+    assert len(failed) == 1 and "stops journaling this stage" in failed[0]
+
+
+def test_one_process_leaves_a_shuffled_loader_alone(tmp_path):
+    """Sharding into one share only serves the journal: a shuffled TEST loader is not refused."""
+    workers.save_test_checkpoint(tmp_path)
+    cls = type("Converted", (workers.ddp_eval.DDPEvalMixin, workers.toy.FullBrain), {})
+    brain = workers.toy.build(cls, str(tmp_path), epochs=1)
+    brain.evaluate(workers.toy.make_dataset(*workers.TEST_SET), min_key="loss",
+                   test_loader_kwargs={"batch_size": 2, "shuffle": True})
+    assert len(brain.seen.ids) == workers.TEST_SET[0]

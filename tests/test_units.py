@@ -320,3 +320,24 @@ def test_journal_pieces_merge_to_the_whole_stage():
     assert torch.equal(pieced["counts"][1], whole["counts"][1])
     assert [float(x) for x in pieced["total"][1]] == [float(x) for x in whole["total"][1]]
     assert torch.equal(torch.stack(list(pieced["vec"][1])), torch.stack(list(whole["vec"][1])))
+
+
+def test_tensors_are_copied_only_when_their_start_value_is_needed():
+    from ddp_eval.attributes import AttributeTracker
+
+    h = types.SimpleNamespace(prior=torch.arange(1.0, 257.0),      # 1 kB, never changed
+                              table=torch.arange(1.0, 257.0),      # changed in place
+                              moved=torch.arange(1.0, 257.0),      # reassigned, never in place
+                              acc=torch.zeros(256, dtype=torch.float64))  # a fresh accumulator
+    tracker = AttributeTracker({n: (h, n) for n in vars(h)}, budget_mb=0.0)  # room for no copy at all
+    assert all(t.base is None for t in tracker.tracks.values())  # nothing copied at stage start
+    h.table += 1
+    h.moved = h.moved + 1
+    h.acc += 0.5
+    tracker.after_batch()
+    kinds, unmergeable, state = tracker.finish([4])
+    assert "prior" not in kinds and "prior" not in unmergeable  # unchanged: no copy, nothing to report
+    assert "no room for its start copy" in unmergeable["table"] and "attributes_exclude" in unmergeable["table"]
+    assert kinds == {"acc": "accumulate", "moved": "accumulate"}  # the start object, or zeros, suffice
+    assert state["moved"][1][0] == "total" and state["moved"][1][1].unique().tolist() == [1.0]
+    assert state["acc"][1][0] == "total" and state["acc"][1][1].unique().tolist() == [0.5]

@@ -199,9 +199,12 @@ def _test_args(batch_size, stream):
     return data, None, "loss", None, kwargs
 
 
-def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size=2, stream=False, opts=None):
+def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size=2, stream=False, opts=None,
+                   after_fit=False):
     """The mixin evaluates the best checkpoint, journaling after every batch; with
-    ``interrupt_after`` each rank stops after that many batches (all ranks raise)."""
+    ``interrupt_after`` each rank stops after that many batches (all ranks raise).
+    ``after_fit``: the Brain holds what a fit() leaves (a restart that finds every
+    epoch done skips fit, so the resumed run does not)."""
     import logging
 
     records = []
@@ -212,6 +215,8 @@ def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size
     cls = type("Converted", (ddp_eval.DDPEvalMixin, toy.FullBrain), {})
     brain = toy.build(cls, directory, epochs=1, ddp_eval_opts={"resume_eval_every_s": 0, **(opts or {})})
     brain.interrupt_after = interrupt_after
+    if after_fit:
+        brain.train_stats, brain.avg_train_loss = {"loss": 1.0}, 1.0
     out = {"notes": [], "batches": 0, "ids": []}
     try:
         out["loss"] = brain.evaluate(*_test_args(batch_size, stream))
