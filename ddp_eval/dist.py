@@ -420,6 +420,9 @@ def _settle_at_exit() -> None:
     channel = _default["channel"]
     if channel is not None:  # the process group may be gone by now; the store is not
         channel.wait_for_readers()
+    # Let the store client go now, not in interpreter teardown, where destroying it
+    # aborted 1-2 runs in 8 ("terminate called without an active exception").
+    _default.update(channel=None, group=None)
 
 
 @contextmanager

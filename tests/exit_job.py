@@ -3,7 +3,9 @@
 Run under torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0 hosts
 the store. Rank 1 reads every control answer late (its store client sleeps
 before each wait and get), so without the acknowledgement of the last answer
-rank 0 would take the store down while rank 1 still reads it.
+rank 0 would take the store down while rank 1 still reads it. Rank 1 then
+destroys the process group and exits normally (its store client must not be
+left to interpreter teardown, where destroying it aborted some runs).
 
 Usage: torchrun --nproc_per_node=2 tests/exit_job.py CKPT_DIR
 """
@@ -13,6 +15,7 @@ import sys
 import time
 
 import speechbrain as sb
+import torch.distributed
 
 import ddp_eval
 from tests import toy
@@ -45,6 +48,7 @@ def main(ckpt_dir):
     brain.evaluate(toy.make_dataset(7, 9), test_loader_kwargs={"batch_size": 2})
     if os.environ["RANK"] == "0":
         os._exit(0)
+    torch.distributed.destroy_process_group()  # then a normal exit, as scripts that clean up end
 
 
 if __name__ == "__main__":
