@@ -10,7 +10,7 @@ recordings, or on generated data without FSDD):
   * load balance: each rank's busy time with length-sorted data, max/mean;
   * the cross-rank merge of 10,000 utterances of ErrorRateStats + BinaryMetricStats;
   * the cost of resume_eval's journal (default interval, and after every batch),
-    median of 3 interleaved runs each;
+    median of 5 interleaved runs each;
   * save time of a ~50 MB model: SpeechBrain's Checkpointer vs ddp_eval's
     (with and without fsync).
 Every process uses one thread (OMP_NUM_THREADS=1). Writes out/results.json,
@@ -126,7 +126,7 @@ def main():
         runs[key] = torchrun(mode, nproc, path, os.path.join(OUT, f"{key}.jsonl"))
     merge = torchrun("merge", 2, path, os.path.join(OUT, "merge.jsonl"))
     journal = {mode: [] for mode in ("mixin", "mixin+journal", "mixin+journal0")}
-    for _ in range(3):  # interleaved: the differences are small against run-to-run noise
+    for _ in range(5):  # interleaved: the differences are small against run-to-run noise
         for mode in journal:
             journal[mode].append(torchrun(mode, 2, path, os.path.join(OUT, f"journal-{mode}.jsonl"))["eval_s"])
     size_mb, saves = checkpoint_costs()
