@@ -180,15 +180,14 @@ class _Track:
             self.base = _cpu_copy(value)
 
     def start_tensor(self) -> Optional[torch.Tensor]:
-        """The tensor at stage start, on the CPU (None: it did not exist then).
+        """The tensor at stage start, on the CPU; None if it did not exist or was
+        zero (increments then start from nothing: ``0 + x`` is ``x``).
 
         Raises ``LookupError`` if it was changed in place without a start copy.
         """
-        if self.start is ABSENT or self.base is not None:
+        if self.start is ABSENT or self.base is not None or self.zero_start:
             return self.base
-        if self.zero_start:
-            self.base = torch.zeros(self.spec[0], dtype=self.spec[1])
-        elif isinstance(self.start, torch.Tensor) and self.start._version == self.start_version:
+        if isinstance(self.start, torch.Tensor) and self.start._version == self.start_version:
             self.base = _cpu_copy(self.start)  # replaced by another object, itself untouched
         else:
             raise LookupError(self.label)
