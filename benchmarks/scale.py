@@ -173,6 +173,11 @@ def main():
     for r in set_sizes:
         print(f"| 4 ({r['items']} items) | {r['eval_s']:.2f} s | | {r['stage_end_s'] * 1000:.0f} ms | "
               f"{r['received_bytes_per_rank'] / 1e3:.0f} kB |")
+    plot(control, groups, os.path.join(OUT, "scale.png"))
+
+
+def plot(control, groups, path):
+    """The two panels: seconds per exchange, stage-end overhead (needs matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -190,7 +195,7 @@ def main():
     b.set_xlabel("gloo processes (2 cores)"), b.set_ylabel("stage-end overhead (ms)")
     b.set_title("stage end per VALID stage")
     fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "scale.png"), dpi=100)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
