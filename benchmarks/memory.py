@@ -9,7 +9,8 @@ RSS grew during ``evaluate()`` (the kernel's high-water mark, reset just before
 the call). Cases: the FSDD evaluation of run_benchmark.py (3,000 utterances, or
 generated data without FSDD), and a Brain with 64 MB of tensor attributes at
 60 and 600 batches, so growth with the number of batches shows. Median over
-``--repeats`` runs of the largest rank. Writes out/memory.json and prints a
+``--repeats`` runs of the largest rank. Also the per-batch bookkeeping's time and
+records early and late in a 20,000-batch stage (one process). Writes out/memory.json and prints a
 Markdown table.
 """
 
@@ -33,6 +34,43 @@ def _run(mode, brain, arg, out, nproc=2):
            os.path.join(ROOT, "benchmarks", "memory_worker.py"), mode, brain, str(arg), out]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=900)
+
+
+def per_batch_costs(batches=20000):
+    """Time and memory of the per-batch bookkeeping, early and late in a long stage.
+
+    One process: what the mixin does after each batch (find metric objects, note
+    list lengths, watch attributes), on a Brain-like holder whose ErrorRateStats,
+    list and dict grow by 4 utterances a batch, as a recipe's would.
+    """
+    import array
+    import types
+
+    import speechbrain as sb
+
+    from ddp_eval.attributes import AttributeTracker
+    from ddp_eval.metrics import MetricFinder, MetricRecorder
+
+    holder = types.SimpleNamespace(wer=sb.utils.metric_stats.ErrorRateStats(), acc_metric=[], predictions={})
+    recorder = MetricRecorder(MetricFinder(), holder)
+    tracker = AttributeTracker({"acc_metric": (holder, "acc_metric"), "predictions": (holder, "predictions")})
+    windows = {}
+    for b in range(batches):
+        ids = [f"u{b}-{i}" for i in range(4)]
+        holder.wer.append(ids, [["a", "b"]] * 4, [["a", "c"]] * 4)
+        holder.acc_metric.append(0.5)
+        holder.predictions.update((i, 1) for i in ids)
+        t = time.perf_counter()
+        recorder.after_batch(holder)
+        tracker.after_batch()
+        elapsed = time.perf_counter() - t
+        windows.setdefault("first 1000" if b < 1000 else "last 1000" if b >= batches - 1000 else None, []).append(
+            elapsed)
+    kept = sum(a.buffer_info()[1] * a.itemsize for a in recorder._changes.values() if isinstance(a, array.array))
+    kept += sum(t.changes.buffer_info()[1] * t.changes.itemsize for t in tracker.tracks.values())
+    return {"batches": batches, "us_per_batch_first_1000": 1e6 * statistics.mean(windows["first 1000"]),
+            "us_per_batch_last_1000": 1e6 * statistics.mean(windows["last 1000"]),
+            "record_bytes_per_batch": kept / batches}
 
 
 def main():
@@ -76,10 +114,11 @@ def main():
     import speechbrain
     import torch
 
+    per_batch = per_batch_costs()
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "python": platform.python_version(), "torch": torch.__version__,
               "speechbrain": speechbrain.__version__, "data": source, "repeats": args.repeats,
-              "wall_s": round(time.time() - start, 1), "cases": table}
+              "wall_s": round(time.time() - start, 1), "cases": table, "per_batch": per_batch}
     with open(os.path.join(OUT, "memory.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"Measured {result['date']}, {result['machine']}, torch {result['torch']}, SpeechBrain "
@@ -91,6 +130,11 @@ def main():
         print(f"| {e['case']} | {e['plain']['growth_mb']:.0f} MB | {e['mixin']['growth_mb']:.0f} MB "
               f"({e['mixin']['growth_range'][0]:.0f}-{e['mixin']['growth_range'][1]:.0f}) | "
               f"{e['overhead_mb']:+.0f} MB | {e['plain']['seconds']:.2f} / {e['mixin']['seconds']:.2f} |")
+    pb = per_batch
+    print(f"\nPer-batch bookkeeping over {pb['batches']} batches (ErrorRateStats, a list and a dict growing by 4 "
+          f"utterances a batch): {pb['us_per_batch_first_1000']:.0f} us a batch over the first 1000, "
+          f"{pb['us_per_batch_last_1000']:.0f} us over the last 1000; {pb['record_bytes_per_batch']:.0f} bytes of "
+          "records kept a batch.")
 
 
 if __name__ == "__main__":

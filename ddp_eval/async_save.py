@@ -178,7 +178,7 @@ class BackgroundWriter:
 def _finish_at_exit() -> None:
     for writer in list(_writers):
         if writer.busy:
-            name = writer._name
+            name = writer.name
             error = writer.wait(writer.exit_timeout)
             if error is not None:
                 logger.error(f"ddp_eval: at exit, the background save {name} failed: "

@@ -64,3 +64,25 @@ def test_a_snapshot_that_memory_cannot_hold_is_a_clear_error(tmp_path, monkeypat
 def test_async_save_accepts_only_a_bool(tmp_path):
     with pytest.raises(ddp_eval.ConfigError, match="'async_save' expects true or false"):
         ddp_eval.Checkpointer(tmp_path, async_save="yes")
+
+
+def test_a_script_that_ends_right_after_an_async_save_keeps_its_checkpoint(tmp_path):
+    """The background write (200 MB, fsync'ed) is still running when the script
+    ends; the exit finishes it instead of killing the daemon thread."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, ddp_eval\n"
+        "model = torch.nn.Linear(7000, 7000)\n"
+        "ckpter = ddp_eval.Checkpointer(sys.argv[1], {'model': model}, async_save=True)\n"
+        "ckpter.save_checkpoint(meta={'last': True})\n"
+        "print('returned while writing:', ckpter._writer.busy, flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "returned while writing: True" in proc.stdout
+    loaded = torch.nn.Linear(7000, 7000)
+    found = ddp_eval.Checkpointer(tmp_path, {"model": loaded}).recover_if_possible()
+    assert found is not None and found.meta["last"] is True
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(TMP_PREFIX)]
