@@ -88,15 +88,15 @@ def main():
         elif ckpter is not None:
             ckpter.save_checkpoint(meta={"i": i}, name=f"{args.mode}-{i}")
         stalls.append(time.perf_counter() - t0)
-        if getattr(ckpter, "_writer", None) is not None and ckpter._writer.seconds is not None:
-            writes.append(ckpter._writer.seconds)  # the previous background write, finished by now
+        if getattr(ckpter, "_background", None) is not None and ckpter._background.writer.seconds is not None:
+            writes.append(ckpter._background.writer.seconds)  # the previous background write, finished by now
     loop_s = time.perf_counter() - start
     t0 = time.perf_counter()
     if isinstance(ckpter, ddp_eval.Checkpointer):
         ckpter.wait()  # the last background save, for completeness (not in the loop's time)
     final_wait = time.perf_counter() - t0
-    if getattr(ckpter, "_writer", None) is not None and ckpter._writer.seconds is not None:
-        writes.append(ckpter._writer.seconds)
+    if getattr(ckpter, "_background", None) is not None and ckpter._background.writer.seconds is not None:
+        writes.append(ckpter._background.writer.seconds)
     record = {"mode": args.mode, "rank": rank, "world_size": dist.get_world_size() if distributed else 1,
               "state_mb": round(state_mb), "layers": layers, "stalls_s": stalls, "loop_s": loop_s,
               "steps": steps, "final_wait_s": final_wait,

@@ -174,6 +174,67 @@ class BackgroundWriter:
         return error
 
 
+class BackgroundSaves:
+    """The non-blocking saves of one checkpointer on its writer, one at a time:
+    the snapshot (memory checked, buffers kept and refilled), the background
+    job, and its failure until someone takes it.
+
+    Example
+    -------
+    >>> import torch
+    >>> saves, written = BackgroundSaves(), []
+    >>> saves.start("CKPT+demo", {"model": torch.nn.Linear(2, 2).state_dict()}, written.append, timeout=5)
+    >>> saves.take_failure(timeout=5) is None, sorted(written[0])
+    (True, ['model'])
+    """
+
+    def __init__(self) -> None:
+        self.writer = BackgroundWriter()
+        self.buffers: Dict[str, Dict[Any, torch.Tensor]] = {}  # the snapshot's memory, by recoverable
+        self.failed: Optional[BaseException] = None  # taken by the next call
+
+    def start(self, name: str, states: Dict[str, Any], write: Callable[[Dict[str, Any]], None],
+              timeout: float) -> None:
+        """Snapshots ``states`` (recoverable name -> state_dict) now, then runs
+        ``write(snapshots)`` in the background (it may clear them when done)."""
+        snapshots = self.snapshot(states)
+        self.writer.exit_timeout = timeout
+        self.writer.start(lambda: write(snapshots), name)
+
+    def snapshot(self, states: Dict[str, Any]) -> Dict[str, Any]:
+        """In-memory copies of ``states``, or a ``MemoryError`` saying what is needed."""
+        need = sum(state_bytes(s) for s in states.values()) - sum(
+            t.untyped_storage().nbytes() for b in self.buffers.values() for t in b.values())
+        available = available_memory_bytes()
+        advice = (f"async_save needs one copy of the checkpointed state ({need / 2**20:.0f} MB of "
+                  f"{', '.join(states)}) in CPU memory on the writer")
+        if available is not None and need > available:
+            raise MemoryError(f"{advice}, but only {available / 2**20:.0f} MB are available. Free "
+                              "memory, or set async_save: false to write from the live state.")
+        try:
+            return {name: snapshot_state(state, self.buffers.setdefault(name, {})) for name, state in states.items()}
+        except (MemoryError, RuntimeError) as exc:
+            raise MemoryError(f"{advice}, and copying failed ({type(exc).__name__}: {exc}). Free memory, "
+                              "or set async_save: false to write from the live state.") from exc
+
+    def take_failure(self, timeout: float) -> Optional[BaseException]:
+        """Waits for the save in flight; returns its failure (once) as an error, or None."""
+        if self.writer.busy:
+            name = self.writer.name
+            failure = self.writer.wait(timeout)
+            if failure is not None:
+                late = isinstance(failure, TimeoutError)
+                self.failed = RuntimeError(
+                    f"the background save of checkpoint {name} "
+                    f"{'did not finish in time' if late else 'failed'}: {type(failure).__name__}: {failure}. "
+                    "The previous checkpoints are intact; this call did nothing. "
+                    + ("Raise the checkpointer's timeout, or check the storage." if late
+                       else "Check the storage (space, permissions) and the save hooks."))
+                self.failed.__cause__ = failure
+        failed, self.failed = self.failed, None
+        return failed
+
+
 @atexit.register
 def _finish_at_exit() -> None:
     for writer in list(_writers):

@@ -27,14 +27,14 @@ import logging
 import pathlib
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from speechbrain.utils import checkpoints as sb_ckpt
 from speechbrain.utils.distributed import MainProcessContext, main_process_only
 
 from ddp_eval import dist
-from ddp_eval.async_save import BackgroundWriter, available_memory_bytes, snapshot_state, state_bytes
+from ddp_eval.async_save import BackgroundSaves
 from ddp_eval.commit import UNSUPPORTED_STORAGE_ACTIONS, CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import check_choice
 from ddp_eval.errors import CheckpointLoadError, CheckpointWriteError, ConfigError
@@ -111,11 +111,9 @@ class Checkpointer(sb_ckpt.Checkpointer):
         self.folder = CheckpointFolder(self.checkpoints_dir, bool(fsync), bool(checksums), on_unsupported_storage)
         self.timeout = timeout
         self.async_save = async_save
-        self._writer = BackgroundWriter()
-        self._failed: Optional[BaseException] = None  # a background failure not yet raised
+        self._background = BackgroundSaves()  # async_save, on the writer
         self._keep_only: Optional[dict] = None  # deletions of the save_and_keep_only under way
         self.loaded: Optional[str] = None  # name of the checkpoint loaded last
-        self._buffers: Dict[str, Dict] = {}  # async_save: the snapshot's memory, refilled at each save
         self._warned = set()
 
     # Options of the commit protocol, settable as before.
@@ -215,16 +213,9 @@ class Checkpointer(sb_ckpt.Checkpointer):
         (write, commit, deletions) goes to the background thread."""
         by_state_dict = [n for n, obj in self.recoverables.items()
                          if self._save_hook(n, obj) in _STATE_DICT_SAVERS]
-        work = self.folder.begin(dirname)
-        try:
-            self._run_save_hooks(work, [n for n in self.recoverables if n not in by_state_dict])
-            snapshots = self._snapshot({n: self.recoverables[n].state_dict() for n in by_state_dict})
-        except BaseException:
-            self.folder.abort(work)
-            raise
-        path = self.checkpoints_dir / dirname
+        work, path = self.folder.begin(dirname), self.checkpoints_dir / dirname
 
-        def finish():
+        def write(snapshots):
             try:
                 for name, state in snapshots.items():
                     torch.save(state, work / f"{name}{sb_ckpt.PARAMFILE_EXT}")
@@ -237,45 +228,25 @@ class Checkpointer(sb_ckpt.Checkpointer):
             if keep_only is not None:
                 self._delete_selected(**keep_only)
 
-        self._writer.exit_timeout = self._wait_timeout()
-        self._writer.start(finish, str(path))
-
-    def _snapshot(self, states: Dict[str, Any]) -> Dict[str, Any]:
-        """In-memory copies of ``states``, or a clear error if memory cannot hold them."""
-        need = sum(state_bytes(s) for s in states.values()) - sum(
-            t.untyped_storage().nbytes() for b in self._buffers.values() for t in b.values())
-        available = available_memory_bytes()
-        advice = (f"async_save needs one copy of the checkpointed state ({need / 2**20:.0f} MB of "
-                  f"{', '.join(states)}) in CPU memory on the writer")
-        if available is not None and need > available:
-            raise MemoryError(f"{advice}, but only {available / 2**20:.0f} MB are available. Free "
-                              "memory, or set async_save: false to write from the live state.")
         try:
-            return {name: snapshot_state(state, self._buffers.setdefault(name, {})) for name, state in states.items()}
-        except (MemoryError, RuntimeError) as exc:
-            raise MemoryError(f"{advice}, and copying failed ({type(exc).__name__}: {exc}). Free memory, "
-                              "or set async_save: false to write from the live state.") from exc
+            self._run_save_hooks(work, [n for n in self.recoverables if n not in by_state_dict])
+            states = {n: self.recoverables[n].state_dict() for n in by_state_dict}
+            self._background.start(str(path), states, write, self._wait_timeout())
+        except BaseException:
+            self.folder.abort(work)
+            raise
 
     def _wait_timeout(self) -> float:
         return dist.get_timeout() if self.timeout is None else self.timeout
 
     def _take_failure(self) -> Optional[BaseException]:
         """Waits for the save in flight (writer); returns its failure once, as an error."""
-        if self._writer.busy:
-            name = self._writer.name
-            failure = self._writer.wait(self._wait_timeout())
-            if failure is not None:
-                still = isinstance(failure, TimeoutError)
-                self._failed = CheckpointWriteError(
-                    f"ddp_eval: rank {dist.get_rank()}: the background save of checkpoint {name} "
-                    f"{'did not finish in time' if still else 'failed'}: {type(failure).__name__}: "
-                    f"{failure}. The previous checkpoints are intact; this call did nothing. "
-                    + ("Raise the checkpointer's timeout, or check the storage."
-                       if still else "Check the storage (space, permissions) and the save hooks.")
-                )
-                self._failed.__cause__ = failure
-        failed, self._failed = self._failed, None
-        return failed
+        failure = self._background.take_failure(self._wait_timeout())
+        if failure is None:
+            return None
+        error = CheckpointWriteError(f"ddp_eval: rank {dist.get_rank()}: {failure}")
+        error.__cause__ = failure.__cause__
+        return error
 
     def wait(self) -> None:
         """Blocks until every started save is committed (and its deletions done).
@@ -412,8 +383,9 @@ class Checkpointer(sb_ckpt.Checkpointer):
         """Why: the writer first waits for a save in flight, then removes leftovers
         of a crashed run."""
         if self._is_writer():
-            self._failed = self._take_failure()  # raised on every rank by find_checkpoint
-            if self._failed is None and self.checkpoints_dir.exists():
+            # A failed background save is raised on every rank by find_checkpoint, below.
+            self._background.failed = self._background.take_failure(self._wait_timeout())
+            if self._background.failed is None and self.checkpoints_dir.exists():
                 with dist.fail_together("checkpoint directory cleanup"):
                     self.folder.prepare()
         return super().recover_if_possible(importance_key, max_key, min_key, ckpt_predicate)

@@ -53,7 +53,7 @@ def test_fit_then_evaluate_with_async_saves_equals_synchronous_saves(tmp_path):
 
 
 def test_a_snapshot_that_memory_cannot_hold_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(ddp_eval.checkpoint, "available_memory_bytes", lambda: 1024)
+    monkeypatch.setattr(ddp_eval.async_save, "available_memory_bytes", lambda: 1024)
     ckpter = ddp_eval.Checkpointer(tmp_path, {"model": torch.nn.Linear(64, 64)}, async_save=True)
     with pytest.raises(ddp_eval.CheckpointWriteError, match=r"async_save needs one copy .* only 0 MB are "
                                                             r"available.*async_save: false"):
@@ -77,7 +77,7 @@ def test_a_script_that_ends_right_after_an_async_save_keeps_its_checkpoint(tmp_p
         "model = torch.nn.Linear(7000, 7000)\n"
         "ckpter = ddp_eval.Checkpointer(sys.argv[1], {'model': model}, async_save=True)\n"
         "ckpter.save_checkpoint(meta={'last': True})\n"
-        "print('returned while writing:', ckpter._writer.busy, flush=True)\n"
+        "print('returned while writing:', ckpter._background.writer.busy, flush=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
