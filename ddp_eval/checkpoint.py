@@ -23,11 +23,12 @@ Example
 True
 """
 
+import contextlib
 import logging
 import pathlib
 import sys
 import time
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from speechbrain.utils import checkpoints as sb_ckpt
@@ -46,6 +47,36 @@ _MAIN_ONLY_CODE = main_process_only(lambda: None).__code__
 # SpeechBrain's default savers of modules, optimizers, schedulers and scalers:
 # torch.save(obj.state_dict()). Those recoverables can be snapshotted in memory.
 _STATE_DICT_SAVERS = tuple(h for h in (sb_ckpt.torch_save, getattr(sb_ckpt, "torch_save_once_per_node", None)) if h)
+
+
+_writer_only_depth = 0  # > 0 inside writer_only_saves()
+
+
+@contextlib.contextmanager
+def writer_only_saves() -> Iterator[None]:
+    """In this block, saves and deletions of shared-storage Checkpointers run on
+    the writer alone, without synchronisation points of their own; elsewhere
+    each call synchronises every rank.
+
+    For a block every rank enters after one collective and leaves into another,
+    which report a failure raised in it to every rank: the mixin opens it around
+    ``on_stage_end``. Recipes may then save there under ``if if_main_process():``,
+    as SpeechBrain's transformer recipes do, or on every rank.
+
+    Example
+    -------
+    >>> ckpter = Checkpointer(getfixture("tmpdir"), {"model": torch.nn.Linear(2, 2)})
+    >>> with writer_only_saves():
+    ...     ckpt = ckpter.save_checkpoint()  # one process: the writer
+    >>> ckpt.path.exists()
+    True
+    """
+    global _writer_only_depth
+    _writer_only_depth += 1
+    try:
+        yield
+    finally:
+        _writer_only_depth -= 1
 
 
 class Checkpointer(sb_ckpt.Checkpointer):
@@ -130,9 +161,13 @@ class Checkpointer(sb_ckpt.Checkpointer):
     ) -> sb_ckpt.Checkpoint:
         """Saves a checkpoint atomically; returns the same Checkpoint on every rank.
 
-        Call it on every rank (no ``if_main_process()`` guard needed). With
-        ``async_save`` it returns once the state is snapshotted; the returned
-        meta then lacks the file manifest, which the commit adds.
+        Call it on every rank (no ``if_main_process()`` guard needed). In the
+        ``on_stage_end`` of a :class:`~ddp_eval.DDPEvalMixin` Brain it may also be
+        called under ``if if_main_process():``: the stage's synchronisation points
+        bracket the write, and ranks other than the writer get None, as from
+        SpeechBrain's Checkpointer. With ``async_save`` it returns once the state
+        is snapshotted; the returned meta then lacks the file manifest, which the
+        commit adds.
         """
         return self._save(meta, end_of_epoch, name, verbosity, keep_only=self._keep_only)
 
@@ -158,34 +193,69 @@ class Checkpointer(sb_ckpt.Checkpointer):
         if not self.async_save:
             self.delete_checkpoints(**keep_only)
 
-    def _save(self, meta, end_of_epoch, name, verbosity, keep_only) -> sb_ckpt.Checkpoint:
+    def _save(self, meta, end_of_epoch, name, verbosity, keep_only) -> Optional[sb_ckpt.Checkpoint]:
+        if self._writer_alone():
+            return self._save_on_writer_alone(meta, end_of_epoch, name, verbosity, keep_only)
         plan, error = None, self._take_failure()
         if dist.get_rank() == 0 and error is None:
             try:
-                path = self._custom_checkpoint_dirpath(name) if name else self._new_checkpoint_dirpath()
-                plan = (path.name, {"unixtime": time.time(), "end-of-epoch": end_of_epoch, **meta})
+                plan = self._plan(meta, end_of_epoch, name)
             except Exception as exc:  # e.g. an unreadable directory: reported on every rank
                 error = exc
         dirname, full_meta = dist.exchange(
             "checkpoint save: begin", plan, error=error, timeout=self.timeout)[0]
-        error, path = None, self.checkpoints_dir / dirname
+        error = None
         if self._is_writer():
-            kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
             try:
-                if self.async_save:
-                    self._start_background_save(dirname, full_meta, keep_only, f"an {kind}", verbosity)
-                else:
-                    full_meta = self.folder.write(dirname, full_meta, self._run_save_hooks)
-                    logger.log(verbosity, f"Saved an {kind} checkpoint in {path}")
-            except BaseException as exc:
-                error = CheckpointWriteError(
-                    f"ddp_eval: rank {dist.get_rank()} could not write checkpoint {path}: "
-                    f"{type(exc).__name__}: {exc}. The previous checkpoints are intact."
-                )
-                error.__cause__ = exc
+                full_meta = self._write(dirname, full_meta, end_of_epoch, keep_only, verbosity)
+            except CheckpointWriteError as exc:
+                error = exc
         written = dist.exchange("checkpoint save: end", full_meta, error=error, timeout=self.timeout)
-        paramfiles = {n: path / f"{n}{sb_ckpt.PARAMFILE_EXT}" for n in self.recoverables}
-        return sb_ckpt.Checkpoint(path, written[0], paramfiles)
+        return self._checkpoint(dirname, written[0])
+
+    def _save_on_writer_alone(self, meta, end_of_epoch, name, verbosity, keep_only) -> Optional[sb_ckpt.Checkpoint]:
+        """A save inside :func:`writer_only_saves`: the writer saves, the others
+        return None (as off SpeechBrain's main process); a failure is raised here,
+        on the writer, and the block's caller reports it to every rank."""
+        if not self._is_writer():
+            return None
+        failure = self._take_failure()
+        if failure is not None:
+            raise failure
+        dirname, full_meta = self._plan(meta, end_of_epoch, name)
+        return self._checkpoint(dirname, self._write(dirname, full_meta, end_of_epoch, keep_only, verbosity))
+
+    def _plan(self, meta, end_of_epoch, name) -> Tuple[str, dict]:
+        """``(directory name, meta)`` of a new checkpoint (chosen on rank 0)."""
+        path = self._custom_checkpoint_dirpath(name) if name else self._new_checkpoint_dirpath()
+        return path.name, {"unixtime": time.time(), "end-of-epoch": end_of_epoch, **meta}
+
+    def _write(self, dirname, meta, end_of_epoch, keep_only, verbosity) -> dict:
+        """On the writer: writes and commits (or starts that in the background); the
+        meta written. Any failure is a CheckpointWriteError naming the checkpoint."""
+        path, kind = self.checkpoints_dir / dirname, "end-of-epoch" if end_of_epoch else "intra-epoch"
+        try:
+            if self.async_save:
+                self._start_background_save(dirname, meta, keep_only, f"an {kind}", verbosity)
+                return meta
+            meta = self.folder.write(dirname, meta, self._run_save_hooks)
+        except BaseException as exc:
+            error = CheckpointWriteError(
+                f"ddp_eval: rank {dist.get_rank()} could not write checkpoint {path}: "
+                f"{type(exc).__name__}: {exc}. The previous checkpoints are intact."
+            )
+            raise error from exc
+        logger.log(verbosity, f"Saved an {kind} checkpoint in {path}")
+        return meta
+
+    def _checkpoint(self, dirname: str, meta: dict) -> sb_ckpt.Checkpoint:
+        path = self.checkpoints_dir / dirname
+        return sb_ckpt.Checkpoint(path, meta, {n: path / f"{n}{sb_ckpt.PARAMFILE_EXT}" for n in self.recoverables})
+
+    def _writer_alone(self) -> bool:
+        """Inside :func:`writer_only_saves`, with one shared copy: saves and
+        deletions need no synchronisation of their own."""
+        return _writer_only_depth > 0 and self.storage == "shared"
 
     def _save_hook(self, name: str, obj: Any):
         hook = self.custom_save_hooks.get(name) or sb_ckpt.get_default_hook(obj, sb_ckpt.DEFAULT_SAVE_HOOKS)
@@ -267,18 +337,28 @@ class Checkpointer(sb_ckpt.Checkpointer):
         """
         if num_to_keep < 0:
             raise ValueError("Number of checkpoints to keep must be positive.")
+        selection = (num_to_keep, min_keys, max_keys, importance_keys, ckpt_predicate, verbosity)
+        if self._writer_alone():  # the caller of writer_only_saves reports a failure
+            if self._is_writer():
+                failure = self._take_failure() or self._delete_on_writer(*selection)
+                if failure is not None:
+                    raise failure
+            return
         dist.exchange("delete checkpoints: begin", error=self._take_failure(), timeout=self.timeout)
-        error = None
-        if self._is_writer():
-            try:
-                self._delete_selected(num_to_keep, min_keys, max_keys, importance_keys, ckpt_predicate, verbosity)
-            except BaseException as exc:
-                error = CheckpointWriteError(
-                    f"ddp_eval: rank {dist.get_rank()} could not delete old checkpoints "
-                    f"in {self.checkpoints_dir}: {type(exc).__name__}: {exc}"
-                )
-                error.__cause__ = exc
+        error = self._delete_on_writer(*selection) if self._is_writer() else None
         dist.exchange("delete checkpoints: end", error=error, timeout=self.timeout)
+
+    def _delete_on_writer(self, *selection) -> Optional[CheckpointWriteError]:
+        try:
+            self._delete_selected(*selection)
+        except BaseException as exc:
+            error = CheckpointWriteError(
+                f"ddp_eval: rank {dist.get_rank()} could not delete old checkpoints "
+                f"in {self.checkpoints_dir}: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            return error
+        return None
 
     def _delete_selected(self, num_to_keep, min_keys, max_keys, importance_keys, ckpt_predicate,
                          verbosity) -> None:
@@ -288,7 +368,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
         keys += [{"importance_key": k} for k in importance_keys]
         candidates, protected = set(), set()
         for kwargs in keys:
-            found = self.find_checkpoints(ckpt_predicate=ckpt_predicate, **kwargs)
+            found = self._find_local(ckpt_predicate=ckpt_predicate, **kwargs)
             candidates.update(found)
             protected.update(found[:num_to_keep])
         for ckpt in sorted(candidates - protected, key=lambda c: c.path.name):
@@ -326,36 +406,52 @@ class Checkpointer(sb_ckpt.Checkpointer):
             return []
         return [n for n in self.recoverables if not self.optional_recoverables.get(n) and "dataloader" not in n]
 
+    def find_checkpoints(
+        self, importance_key=None, max_key: Optional[str] = None, min_key: Optional[str] = None,
+        ckpt_predicate=None, max_num_checkpoints: Optional[int] = None,
+    ) -> List[sb_ckpt.Checkpoint]:
+        """Why: rank 0 chooses and broadcasts, so every rank gets the same list
+        (e.g. to average checkpoints), never without a save still in flight (it
+        is waited for) and never a checkpoint this rank cannot read."""
+        names, error = None, self._take_failure()
+        if dist.get_rank() == 0 and error is None:
+            try:
+                found = self._find_local(importance_key, max_key, min_key, ckpt_predicate, max_num_checkpoints)
+                names = [ckpt.path.name for ckpt in found]
+            except BaseException as exc:
+                error = exc
+        names = dist.exchange("find checkpoints", names, error=error, timeout=self.timeout)[0]
+        found, problems = [], []
+        for name in names:
+            path = self.checkpoints_dir / name
+            problem, meta = inspect_checkpoint_dir(path, self.checksums, self._required())
+            if problem:
+                problems.append(f"{path}: {problem}")
+                continue
+            paramfiles = {f.stem: f for f in path.iterdir() if f.suffix == sb_ckpt.PARAMFILE_EXT}
+            found.append(sb_ckpt.Checkpoint(path, meta, paramfiles))
+        error = None if not problems else CheckpointWriteError(
+            f"ddp_eval: rank {dist.get_rank()} has no complete copy of the chosen checkpoint(s) "
+            f"{'; '.join(problems)}. With storage: node_local every node must hold the copy its "
+            "local rank 0 wrote; with shared, every rank must see the same directory."
+        )
+        dist.exchange("find checkpoints: local copies", error=error, timeout=self.timeout)
+        return found
+
     def find_checkpoint(
         self, importance_key=None, max_key: Optional[str] = None, min_key: Optional[str] = None,
         ckpt_predicate=None,
     ) -> Optional[sb_ckpt.Checkpoint]:
-        """Why: rank 0 chooses and broadcasts, so every rank loads the same
-        checkpoint, never one being written (a save in flight is waited for)."""
-        choice, error = None, self._take_failure()
-        if dist.get_rank() == 0 and error is None:
-            try:
-                found = super().find_checkpoint(importance_key, max_key, min_key, ckpt_predicate)
-                choice = found.path.name if found else None
-            except BaseException as exc:
-                error = exc
-        name = dist.exchange("find checkpoint", choice, error=error, timeout=self.timeout)[0]
-        if name is None:
-            return None
-        path, error, ckpt = self.checkpoints_dir / name, None, None
-        problem, meta = inspect_checkpoint_dir(path, self.checksums, self._required())
-        if problem:
-            error = CheckpointWriteError(
-                f"ddp_eval: rank {dist.get_rank()} has no complete copy of the chosen "
-                f"checkpoint {path}: {problem}. With storage: node_local every node "
-                "must hold the copy its local rank 0 wrote; with shared, every rank "
-                "must see the same directory."
-            )
-        else:
-            paramfiles = {f.stem: f for f in path.iterdir() if f.suffix == sb_ckpt.PARAMFILE_EXT}
-            ckpt = sb_ckpt.Checkpoint(path, meta, paramfiles)
-        dist.exchange("find checkpoint: local copy", error=error, timeout=self.timeout)
-        return ckpt
+        """The most important checkpoint: the first of :meth:`find_checkpoints`,
+        the same on every rank."""
+        found = self.find_checkpoints(importance_key, max_key, min_key, ckpt_predicate, max_num_checkpoints=1)
+        return found[0] if found else None
+
+    def _find_local(self, importance_key=None, max_key=None, min_key=None, ckpt_predicate=None,
+                    max_num_checkpoints=None) -> List[sb_ckpt.Checkpoint]:
+        """SpeechBrain's selection among what this process sees (no synchronisation)."""
+        return sb_ckpt.Checkpointer.find_checkpoints(
+            self, importance_key, max_key, min_key, ckpt_predicate, max_num_checkpoints)
 
     def load_checkpoint(self, checkpoint: sb_ckpt.Checkpoint) -> None:
         """Why: a load that fails on one rank is raised on every rank, naming the

@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from ddp_eval.errors import (
     CollectiveTimeoutError,
-    DDPEvalError,
     OutOfStepError,
     RankFailedError,
 )
@@ -115,6 +114,30 @@ def _active() -> bool:
 class _Envelope:
     tag: str
     payload: Any = None
+
+
+def _reported(error: BaseException) -> BaseException:
+    """Marks ``error`` as raised on every rank (by an exchange); returns it."""
+    try:
+        error._ddp_eval_raised_on_every_rank = True
+    except AttributeError:  # an exception type without attributes: treated as local
+        pass
+    return error
+
+
+def raised_on_every_rank(error: BaseException) -> bool:
+    """Whether an exchange raised ``error``, so every rank raises it or a
+    :class:`RankFailedError` naming it (it needs no reporting).
+
+    Example
+    -------
+    >>> try:
+    ...     exchange("single process", error=ValueError("boom"))
+    ... except ValueError as error:
+    ...     raised_on_every_rank(error), raised_on_every_rank(ValueError("local"))
+    (True, False)
+    """
+    return getattr(error, "_ddp_eval_raised_on_every_rank", False)
 
 
 def _describe(error: BaseException) -> str:
@@ -198,7 +221,7 @@ class ControlChannel:
             verdict = self._decide(seq, failed)
             self._publish(seq, verdict)
             self._acknowledge(seq, verdict)
-            raise error
+            raise _reported(error)
         store.set(self._key(seq, f"r{self.rank}"), pickle.dumps(_Envelope(tag, payload)))
         arrived = store.add(self._key(seq, "count"), 1)
         if arrived == self.world_size:
@@ -308,11 +331,11 @@ class ControlChannel:
         kind = answer[0]
         if kind == "failed":
             _, failed_rank, failed_tag, description, failed_traceback = answer
-            raise RankFailedError(
+            raise _reported(RankFailedError(
                 f"ddp_eval: rank {failed_rank} failed at '{failed_tag}' with "
                 f"{description} (this is rank {self.rank}, at '{tag}'). All ranks "
                 f"stop here. Rank {failed_rank}'s traceback:\n{failed_traceback}"
-            )
+            ))
         if kind == "timeout":
             _, missing, reporter_tag, reporter, waited = answer
             message = (
@@ -322,23 +345,23 @@ class ControlChannel:
                 "raise the collective timeout (ddp_eval: collective_timeout)."
             )
             if self.rank in missing:  # arrived late: told instead of entering a dead collective
-                raise RankFailedError(
+                raise _reported(RankFailedError(
                     f"ddp_eval: this rank ({self.rank}) arrived late at '{tag}'; the "
                     f"others gave up: CollectiveTimeoutError: {message}"
-                )
-            raise CollectiveTimeoutError(message)
+                ))
+            raise _reported(CollectiveTimeoutError(message))
         _, unique, index = answer
         envelopes = [pickle.loads(blob) for blob in unique]
         index = [0] * self.world_size if index is None else index
         tags = [envelopes[i].tag for i in index]
         if len(set(tags)) > 1:
-            raise OutOfStepError(
+            raise _reported(OutOfStepError(
                 "ddp_eval: ranks reached different synchronisation points "
                 f"(sync #{seq}); expected one tag, got per rank: {tags}. A rank took "
                 "a different branch (e.g. saved a checkpoint only under a "
                 "rank-dependent condition); make the decision on rank 0 and "
                 "broadcast it, or call the method on every rank."
-            )
+            ))
         return [envelopes[i].payload for i in index]
 
 
@@ -390,7 +413,7 @@ def exchange(
     """
     if not _active():
         if error is not None:
-            raise error
+            raise _reported(error)
         return [payload]
     return default_channel().exchange(tag, payload, error, timeout)
 
@@ -441,7 +464,7 @@ def fail_together(tag: str) -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        if _active() and not isinstance(error, DDPEvalError):
+        if _active() and not raised_on_every_rank(error):
             try:
                 default_channel().exchange(tag, error=error)
             except BaseException:

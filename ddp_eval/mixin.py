@@ -13,9 +13,10 @@ import torch
 
 from ddp_eval import dist
 from ddp_eval.attributes import AttributeTracker, merge_attribute_states, resolve
+from ddp_eval.checkpoint import writer_only_saves
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.consistency import check_states_agree, state_summaries
-from ddp_eval.errors import ConfigError, DDPEvalError
+from ddp_eval.errors import ConfigError
 from ddp_eval.journal import JOURNAL_DIRNAME
 from ddp_eval.metrics import (
     MetricFinder,
@@ -241,12 +242,15 @@ class DDPEvalMixin:
             check = self.ddp_eval_config.check_consistency
             error, payload = None, None
             try:
-                user_on_stage_end(stage, stage_loss, epoch)
+                # Between two exchanges every rank passes: saves need no synchronisation
+                # of their own, so a save under `if if_main_process():` works as in SpeechBrain.
+                with writer_only_saves():
+                    user_on_stage_end(stage, stage_loss, epoch)
                 if check:
                     payload = state_summaries(self, self._ddp_recoverables())
-            except DDPEvalError:
-                raise  # already raised on every rank by an exchange inside
             except BaseException as exc:  # noqa: B036 - re-raised by exchange
+                if dist.raised_on_every_rank(exc):
+                    raise  # an exchange inside raised it on every rank already
                 error = exc
             per_rank = dist.exchange(f"{stage.name} on_stage_end", payload, error=error)
             if run is not None and run.resume is not None:

@@ -197,3 +197,24 @@ def async_enospc(rank, world_size, directory):
     except ddp_eval.DDPEvalError as error:
         return {"returned": second.path.name, "error": type(error).__name__, "message": str(error)}
     return {"returned": second.path.name, "error": None}
+
+
+def async_saves_then_average(rank, world_size, directory):
+    """SpeechBrain's transformer recipes average checkpoints in on_evaluate_start:
+    ``find_checkpoints(min_key=...)`` then ``average_checkpoints``, on every rank.
+    Here it runs right after the last async save returned, while its write (40 MB,
+    fsync'ed) is still in flight on the writer."""
+    import speechbrain as sb
+
+    model = torch.nn.Linear(2000, 5000)
+    ckpter = ddp_eval.Checkpointer(directory, {"model": model}, async_save=True)
+    for version, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
+        with torch.no_grad():
+            model.weight.fill_(float(version))
+        ckpter.save_and_keep_only(meta={"loss": loss, "version": version}, min_keys=["loss"], num_to_keep=2)
+    writing = ckpter._background.writer.busy
+    found = ckpter.find_checkpoints(min_key="loss")
+    averaged = sb.utils.checkpoints.average_checkpoints(found, recoverable_name="model")
+    best = ckpter.find_checkpoint(min_key="loss")
+    return {"writing": writing, "found": [c.meta["version"] for c in found],
+            "averaged": float(averaged["weight"][0, 0]), "best": best.meta["version"]}

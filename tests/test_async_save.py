@@ -86,3 +86,13 @@ def test_a_script_that_ends_right_after_an_async_save_keeps_its_checkpoint(tmp_p
     found = ddp_eval.Checkpointer(tmp_path, {"model": loaded}).recover_if_possible()
     assert found is not None and found.meta["last"] is True
     assert not [n for n in os.listdir(tmp_path) if n.startswith(TMP_PREFIX)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_checkpoint_averaging_right_after_an_async_save_sees_it_on_every_rank(world_size, tmp_path):
+    per_rank = results(run_ranks(w.async_saves_then_average, world_size, str(tmp_path), timeout=90))
+    assert per_rank[0]["writing"]  # the last save was still in flight when the recipe looked
+    for out in per_rank:
+        assert out["found"] == [3, 2]  # the two best kept, the newest included
+        assert out["averaged"] == 2.5
+        assert out["best"] == 3

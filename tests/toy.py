@@ -343,3 +343,47 @@ class FullBrain(AccumulatingBrain):
 
 class Interrupted(RuntimeError):
     """A stand-in for a preemption, raised inside the evaluation loop."""
+
+
+class TransformerStyleBrain(ToyBrain):
+    """Saves as SpeechBrain's transformer recipes (LibriSpeech, CommonVoice,
+    Switchboard, ...) do: VALID's checkpoint under ``if if_main_process():``, an
+    "averaged" one at TEST end on every rank, and ``on_evaluate_start`` averaging
+    the best checkpoints (``find_checkpoints`` + ``average_checkpoints``). The
+    model changes by a fixed rule each epoch (the same on every rank), so the
+    checkpoints differ."""
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        from speechbrain.utils.distributed import if_main_process
+
+        record = {"stage": stage.name, "loss": stage_loss, "epoch": epoch}
+        if stage == sb.Stage.TRAIN:
+            with torch.no_grad():
+                for param in self.checkpointer.recoverables["model"].parameters():
+                    param.mul_(0.5 + 0.1 * epoch)
+        else:
+            record["metrics"] = _summaries(self)
+        if stage == sb.Stage.VALID and if_main_process():
+            self.checkpointer.save_and_keep_only(meta={"loss": stage_loss, "epoch": epoch},
+                                                 min_keys=["loss"], num_to_keep=2)
+        elif stage == sb.Stage.TEST:
+            self.checkpointer.save_and_keep_only(meta={"loss": -1.0, "epoch": epoch},
+                                                 min_keys=["loss"], num_to_keep=1)
+        self.log.append(record)
+
+    def on_evaluate_start(self, max_key=None, min_key=None):
+        super().on_evaluate_start(max_key=max_key, min_key=min_key)
+        ckpts = self.checkpointer.find_checkpoints(max_key=max_key, min_key=min_key)
+        averaged = sb.utils.checkpoints.average_checkpoints(ckpts, recoverable_name="model")
+        self.checkpointer.recoverables["model"].load_state_dict(averaged)
+        self.log.append({"averaged": sorted(c.meta["epoch"] for c in ckpts)})
+
+
+def run_transformer_style(brain):
+    """fit 3 epochs, then TEST from the average of the 2 best checkpoints."""
+    brain.fit(brain.hparams.counter, make_dataset(10, 0), make_dataset(23, 1),
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    test_loss = brain.evaluate(make_dataset(23, 2, "tst"), min_key="loss", test_loader_kwargs={"batch_size": 3})
+    brain.checkpointer.wait() if hasattr(brain.checkpointer, "wait") else None
+    kept = sorted(c.meta["epoch"] for c in brain.checkpointer.list_checkpoints())
+    return {"log": brain.log, "test_loss": test_loss, "kept": kept}

@@ -228,3 +228,38 @@ def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size
     out["batches"], out["ids"] = getattr(brain.seen, "batches", 0), list(brain.seen.ids)
     out["notes"] = [r.getMessage() for r in records if r.levelno >= logging.INFO]
     return out
+
+
+def transformer_style_recipe(rank, world_size, ckpt_dir, async_save=False):
+    """SpeechBrain's transformer recipes' saving pattern, converted by the README's diff."""
+    class Converted(ddp_eval.DDPEvalMixin, toy.TransformerStyleBrain):
+        pass
+
+    checkpointer_cls = functools.partial(ddp_eval.Checkpointer, async_save=async_save)
+    brain = toy.build(Converted, ckpt_dir, checkpointer_cls=checkpointer_cls, epochs=3)
+    return toy.run_transformer_style(brain)
+
+
+def guarded_save_fails(rank, world_size, ckpt_dir):
+    """ENOSPC in the save VALID's on_stage_end makes under `if if_main_process():`."""
+    import errno
+
+    class Converted(ddp_eval.DDPEvalMixin, toy.TransformerStyleBrain):
+        pass
+
+    brain = toy.build(Converted, ckpt_dir, epochs=3, ddp_eval_opts={"collective_timeout": 60})
+    write = brain.checkpointer.folder.write
+
+    def full_disk_at_epoch_2(dirname, meta, fill):
+        if meta.get("epoch") == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(dirname, meta, fill)
+
+    brain.checkpointer.folder.write = full_disk_at_epoch_2
+    start = time.monotonic()
+    try:
+        toy.run_transformer_style(brain)
+    except ddp_eval.DDPEvalError as error:
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start,
+                "log": brain.log}
+    return {"error": None}
