@@ -8,6 +8,7 @@ the values of ``self.hparams`` and of the checkpointer's recoverables and their
 list, dict, number and tensor attributes one level deep (lengths, values, a
 tensor's identity and ``_version``, the identities of a dict's values);
 :func:`changed_outside` names what differs between stage start and end.
+SpeechBrain's decoders are left out: what they keep is per-call scratch.
 
 Example
 -------
@@ -28,6 +29,16 @@ import torch
 from ddp_eval.attributes import is_number
 
 Marker = Tuple[Any, ...]
+
+# SpeechBrain's decoders (beam searchers, scorers) keep per-call scratch state on
+# themselves (batch_size, n_bh, beam_offset, max_decode_steps, kv_cache), written by
+# every call before it is read: not state a stage accumulates, so never named.
+SCRATCH_STATE_PACKAGES = ("speechbrain.decoders.",)
+
+
+def _holds_scratch_state(obj: Any) -> bool:
+    """Whether ``obj`` is (a subclass of) a SpeechBrain decoder."""
+    return any(getattr(cls, "__module__", "").startswith(SCRATCH_STATE_PACKAGES) for cls in type(obj).__mro__)
 
 
 def _marker(value: Any) -> Any:
@@ -70,7 +81,7 @@ def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marke
     skipped = set(skip_ids) | {id(brain)}
     seen = set()
     for label, obj in _roots(brain):
-        if id(obj) in skipped or id(obj) in seen:
+        if id(obj) in skipped or id(obj) in seen or _holds_scratch_state(obj):
             continue
         seen.add(id(obj))
         marker = _marker(obj)

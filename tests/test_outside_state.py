@@ -42,3 +42,34 @@ def test_listed_outside_state_is_merged_and_equals_one_process(world_size, singl
         for got, exp in zip(out["losses"], want["losses"]):
             # TRAIN of epoch 1 reads the training alignments the nested evaluate() stored
             assert math.isclose(got[2], exp[2], rel_tol=1e-9), (got, exp)
+
+
+def test_a_beam_searchers_scratch_state_is_not_named_but_an_aligners_dict_is():
+    """SpeechBrain's S2S beam searchers rewrite batch_size, n_bh, beam_offset and
+    max_decode_steps on every call: no warning for them (every seq2seq recipe keeps
+    its searchers in hparams); an HMMAligner's dict growing in place is named."""
+    import types
+
+    import speechbrain as sb
+    import torch
+    from speechbrain.alignment.aligner import HMMAligner
+    from speechbrain.decoders.seq2seq import S2SRNNBeamSearcher
+    from speechbrain.nnet.RNN import AttentionalRNNDecoder
+
+    from ddp_eval.outside import changed_outside, outside_markers
+
+    torch.manual_seed(0)
+    searcher = S2SRNNBeamSearcher(
+        sb.nnet.embedding.Embedding(num_embeddings=5, embedding_dim=3),
+        AttentionalRNNDecoder("gru", "content", hidden_size=3, attn_dim=3, num_layers=1, enc_dim=4, input_size=3),
+        sb.nnet.linear.Linear(input_size=3, n_neurons=5),
+        bos_index=0, eos_index=1, min_decode_ratio=0.0, max_decode_ratio=1.0, beam_size=2)
+    aligner = HMMAligner()
+    brain = types.SimpleNamespace(hparams=types.SimpleNamespace(valid_search=searcher, aligner=aligner))
+    searcher(torch.randn(3, 6, 4), torch.ones(3))  # an earlier stage used it
+    start = outside_markers(brain)
+    searcher(torch.randn(2, 9, 4), torch.ones(2))  # this stage's last, smaller batch
+    aligner.align_dict["utt1"] = torch.zeros(3)
+    assert searcher.batch_size == 2  # its scratch did change
+    assert changed_outside(start, outside_markers(brain)) == {
+        PATH: "dict gained 1 key(s) (0 -> 1)"}
