@@ -202,11 +202,21 @@ def async_enospc(rank, world_size, directory):
 def async_saves_then_average(rank, world_size, directory):
     """SpeechBrain's transformer recipes average checkpoints in on_evaluate_start:
     ``find_checkpoints(min_key=...)`` then ``average_checkpoints``, on every rank.
-    Here it runs right after the last async save returned, while its write (40 MB,
-    fsync'ed) is still in flight on the writer."""
+    Here it runs right after the last async save returned, while its write (slowed
+    down by 1 s, so surely) is still in flight on the writer."""
+    import threading
+
     import speechbrain as sb
 
-    model = torch.nn.Linear(2000, 5000)
+    original = torch.save
+
+    def slow_save(obj, path, *args, **kwargs):
+        if threading.current_thread().name.startswith("ddp_eval save"):
+            time.sleep(1.0)
+        return original(obj, path, *args, **kwargs)
+
+    torch.save = slow_save
+    model = torch.nn.Linear(200, 500)
     ckpter = ddp_eval.Checkpointer(directory, {"model": model}, async_save=True)
     for version, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
         with torch.no_grad():
