@@ -61,6 +61,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def growth_since(changes: Sequence[int], from_batch: int, start_len: int) -> Tuple[Sequence[int], List[int]]:
+    """From a flat record ``batch, length after it, batch, length, ...`` of a
+    list or dict: the batches from ``from_batch`` on that grew it, and the
+    bounds of their growth (the first is its length before them).
+
+    Example
+    -------
+    >>> growth_since([0, 2, 3, 5, 4, 6], from_batch=1, start_len=0)
+    ([3, 4], [2, 5, 6])
+    """
+    batches, lengths = changes[0::2], changes[1::2]
+    first = bisect.bisect_left(batches, from_batch)
+    return batches[first:], [lengths[first - 1] if first else start_len] + list(lengths[first:])
+
+
 def resolve(root: Any, path: str) -> Tuple[Any, str]:
     """``(owner, name)`` of a dotted attribute path below ``root``.
 
@@ -334,10 +349,8 @@ class _Track:
         value = get_value(self.owner, self.name)
 
         def cut(start: int, end: int):
-            batches, lengths = self.changes[0::2], self.changes[1::2]
-            first = bisect.bisect_left(batches, from_batch)
-            bounds = [lengths[first - 1] if first else start] + list(lengths[first:])
-            places = [positions[i] for i in batches[first:]]
+            batches, bounds = growth_since(self.changes, from_batch, start)
+            places = [positions[i] for i in batches]
             if not piece and bounds[-1] != end:  # grew without a recorded change: after the last batch
                 places, bounds = places + [positions[-1]], bounds + [end]
             return places, [b - a for a, b in zip(bounds, bounds[1:])], bounds[0], bounds[-1]

@@ -394,10 +394,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
                     self._warned.add(ckpt_dir)
                     logger.warning(f"ddp_eval: skipping incomplete checkpoint {ckpt_dir}: {problem}")
                 continue
-            paramfiles = {
-                f.stem: f for f in ckpt_dir.iterdir() if f.suffix == sb_ckpt.PARAMFILE_EXT
-            }
-            found.append(sb_ckpt.Checkpoint(ckpt_dir, meta, paramfiles))
+            found.append(_on_disk(ckpt_dir, meta))
         return found
 
     def _required(self):
@@ -428,8 +425,7 @@ class Checkpointer(sb_ckpt.Checkpointer):
             if problem:
                 problems.append(f"{path}: {problem}")
                 continue
-            paramfiles = {f.stem: f for f in path.iterdir() if f.suffix == sb_ckpt.PARAMFILE_EXT}
-            found.append(sb_ckpt.Checkpoint(path, meta, paramfiles))
+            found.append(_on_disk(path, meta))
         error = None if not problems else CheckpointWriteError(
             f"ddp_eval: rank {dist.get_rank()} has no complete copy of the chosen checkpoint(s) "
             f"{'; '.join(problems)}. With storage: node_local every node must hold the copy its "
@@ -485,6 +481,11 @@ class Checkpointer(sb_ckpt.Checkpointer):
                 with dist.fail_together("checkpoint directory cleanup"):
                     self.folder.prepare()
         return super().recover_if_possible(importance_key, max_key, min_key, ckpt_predicate)
+
+
+def _on_disk(path: pathlib.Path, meta: dict) -> sb_ckpt.Checkpoint:
+    """The Checkpoint of a complete checkpoint directory, with the files it holds."""
+    return sb_ckpt.Checkpoint(path, meta, {f.stem: f for f in path.iterdir() if f.suffix == sb_ckpt.PARAMFILE_EXT})
 
 
 def _loading(traceback) -> Tuple[Optional[str], Optional[pathlib.Path]]:

@@ -22,7 +22,6 @@ Example
 """
 
 import array
-import bisect
 import itertools
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -35,6 +34,7 @@ from speechbrain.utils.metric_stats import (
     WeightedErrorRateStats,
 )
 
+from ddp_eval.attributes import growth_since
 from ddp_eval.errors import ConfigError
 
 METRIC_TYPES = (MetricStats, MultiMetricStats, AccuracyStats)
@@ -271,12 +271,10 @@ class MetricRecorder:
             started = self.start.get(path, {})
             for name, value in vars(sub).items():
                 if isinstance(value, list):
-                    changes = self._changes.get((path, name), array.array("q"))
-                    batches, lengths = changes[0::2], changes[1::2]
-                    first = bisect.bisect_left(batches, from_batch)
-                    bounds = [lengths[first - 1] if first else started.get(name, 0)] + list(lengths[first:])
+                    batches, bounds = growth_since(self._changes.get((path, name), ()), from_batch,
+                                                   started.get(name, 0))
                     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-                    lists[name] = ([places[i] for i in batches[first:]], sizes, _pack(value[bounds[0]: bounds[-1]]))
+                    lists[name] = ([places[i] for i in batches], sizes, _pack(value[bounds[0]: bounds[-1]]))
                 elif _is_number(value):
                     numbers[name] = value - numbers_before.get(path, {}).get(name, 0)
             state[path] = {"lists": lists, "numbers": numbers}
