@@ -29,6 +29,7 @@ from ddp_eval.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.dist import ControlChannel
 from ddp_eval.errors import (
+    BatchPlanError,
     CheckpointLoadError,
     CheckpointWriteError,
     CollectiveTimeoutError,
@@ -65,6 +66,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "OutOfStepError",
     "StateDivergenceError",
+    "BatchPlanError",
     "CheckpointWriteError",
     "CheckpointLoadError",
     "StorageError",

@@ -35,7 +35,7 @@ import pickle
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -418,6 +418,37 @@ def exchange(
     return default_channel().exchange(tag, payload, error, timeout)
 
 
+def decide(tag: str, step: Optional[Callable[[], Any]] = None, timeout: Optional[float] = None) -> List[Any]:
+    """Runs ``step()`` here, then exchanges its result, or its exception, with
+    every rank: returns every rank's result, or raises on every rank.
+
+    The one way ddp_eval decides together (as ``torch.distributed.checkpoint``'s
+    ``_DistWrapper``): a rank whose ``step`` raises reports the exception in
+    the exchange and re-raises it; every other rank raises
+    :class:`RankFailedError` naming it. An exception that an exchange inside
+    ``step`` already raised on every rank is re-raised without another
+    exchange. ``step`` may be None (a synchronisation point only) or return
+    None on ranks with nothing to say.
+
+    Example
+    -------
+    >>> decide("single process", lambda: 42)
+    [42]
+    >>> decide("fails", lambda: 1 / 0)
+    Traceback (most recent call last):
+    ...
+    ZeroDivisionError: division by zero
+    """
+    result, error = None, None
+    try:
+        result = step() if step is not None else None
+    except BaseException as exc:  # noqa: B036 - re-raised here or by the exchange
+        if raised_on_every_rank(exc):
+            raise
+        error = exc
+    return exchange(tag, result, error=error, timeout=timeout)
+
+
 def settle(timeout: Optional[float] = None) -> None:
     """On rank 0: returns once every rank has read the newest exchange's answer.
 
@@ -539,21 +570,21 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
                 offset += tensor.numel()
 
 
-def sync_ddp_buffers(modules: Sequence[torch.nn.Module], tag: str) -> None:
+def broadcast_ddp_buffers(modules: Sequence[torch.nn.Module]) -> None:
     """Brings the buffers of DDP-wrapped ``modules`` into step from rank 0.
 
-    Called on every rank at the start of a sharded stage. DDP broadcasts
-    buffers at the first forward after a training step, a collective that a
-    rank without a batch would never join; instead they are broadcast here,
-    once, and DDP's pending per-forward sync is cleared, as DDP itself does
-    after any forward without grad. Rank 0's buffers are the ones its
-    checkpoint holds, so every rank evaluates the checkpointed model.
+    Called on every rank at the start of a sharded stage, right after the
+    stage-start exchange (every rank is there). DDP broadcasts buffers at the
+    first forward after a training step, a collective that a rank without a
+    batch would never join; instead they are broadcast here, once, and DDP's
+    pending per-forward sync is cleared, as DDP itself does after any forward
+    without grad. Rank 0's buffers are the ones its checkpoint holds, so every
+    rank evaluates the checkpointed model.
     """
     wrapped = [m for m in modules if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
     buffers = [b for m in wrapped for b in m.module.buffers()]
     if not _active() or not buffers:
         return
-    exchange(tag)  # every rank is here before the broadcast
     broadcast_tensors(buffers, src=0)
     for module in wrapped:
         # Checked by DDP's will_sync_module_buffers in torch 2.4 to 2.14 alike (next to

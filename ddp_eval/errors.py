@@ -24,6 +24,10 @@ class OutOfStepError(DDPEvalError):
     """Ranks reached different synchronisation points (they took different branches)."""
 
 
+class BatchPlanError(DDPEvalError):
+    """Ranks built different evaluation batches (a sampler that differs across ranks)."""
+
+
 class StateDivergenceError(DDPEvalError):
     """Scheduler or epoch-counter state differs across ranks after ``on_stage_end``."""
 

@@ -86,16 +86,6 @@ def model_fingerprint(modules: Iterable[torch.nn.Module]) -> str:
     return digest.hexdigest()[:20]
 
 
-def batches_fingerprint(batches: Iterable[Sequence[int]], ids: Optional[Sequence[Any]] = None) -> Tuple[str, int]:
-    """``(digest, number of batches)`` of a batch composition, by item ids where known."""
-    digest, count = hashlib.sha1(), 0
-    for batch in batches:
-        names = [ids[i] for i in batch] if ids is not None else list(batch)
-        digest.update(repr(names).encode())
-        count += 1
-    return digest.hexdigest()[:20], count
-
-
 def layout_fingerprint(metric_objects: Sequence[Tuple[str, str]], attributes: Sequence[str]) -> str:
     """A digest of the metric objects (path, class) and the attribute labels merged."""
     return hashlib.sha1(repr((list(metric_objects), sorted(attributes))).encode()).hexdigest()[:20]

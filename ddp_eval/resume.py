@@ -1,9 +1,10 @@
 """Resuming an interrupted sharded stage from its journal (:mod:`ddp_eval.journal`).
 
-:meth:`StageResume.open` runs on every rank at the start of a sharded stage:
-rank 0 reads the journals, keeps the pieces that match this stage, data,
-layout and model, and every rank learns which batches they hold, so the
-sampler deals only the others. :meth:`StageResume.after_batch` writes this
+:meth:`StageResume.propose` runs on rank 0 at the start of a sharded stage:
+it reads the journals and keeps the pieces that match this stage, data (the
+stage's batch plan), layout and model; the stage-start exchange takes its
+answer to every rank, where :meth:`StageResume.accept` tells the sampler to
+deal only the batches not done. :meth:`StageResume.after_batch` writes this
 rank's piece when the interval has passed. At stage end, rank 0 adds the old
 pieces to the merge (:meth:`StageResume.old_states`, :meth:`StageResume.old_loss`),
 and :meth:`StageResume.close` removes the journal once ``on_stage_end`` has
@@ -16,7 +17,7 @@ Example
 """
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,14 +26,16 @@ from ddp_eval.commit import TMP_PREFIX
 from ddp_eval.journal import (
     JournalKey,
     StageJournal,
-    batches_fingerprint,
     find_resumable,
     layout_fingerprint,
     model_fingerprint,
     remove_pieces,
 )
 from ddp_eval.metrics import describe_objects
-from ddp_eval.sharding import ShardedBatchSampler, ShardedStreamLoader, global_batch_ids
+from ddp_eval.sharding import ShardedStreamLoader, global_batch_ids
+
+if TYPE_CHECKING:  # the stage drives its resume; only its type is needed here
+    from ddp_eval.stage import ShardedStage
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +64,11 @@ def _model_modules(brain: Any) -> List[torch.nn.Module]:
 
 
 def _data_key(loader: Any) -> Tuple[str, Optional[int]]:
+    """``(digest, number of batches)`` of this stage's batch plan (a stream: checked per batch)."""
     if isinstance(loader, ShardedStreamLoader):
         return "stream", None
-    sampler: ShardedBatchSampler = loader.batch_sampler
-    return batches_fingerprint(sampler.batch_sampler, getattr(loader.dataset, "data_ids", None))
+    count, digest = loader.batch_sampler.plan.ledger.summary()
+    return digest, count
 
 
 class StageResume:
@@ -79,41 +83,41 @@ class StageResume:
         self.journaled_loss = (0.0, 0)
         self.failed = False
 
+    @staticmethod
+    def propose(brain: Any, stage: "ShardedStage", root) -> Tuple[Any, list, dict, list]:
+        """On rank 0 at stage start: ``(key, done ranges, stream digests, pieces)``
+        of the journal this stage resumes; the first three travel to every rank."""
+        data, batches = _data_key(stage.loader)
+        # Metric objects and the paths listed: what every run of the stage has (Brain
+        # attributes left by earlier stages differ, e.g. none after a restart skipped fit).
+        listed = [label for label in stage.attributes.tracks if "." in label]
+        layout = layout_fingerprint(describe_objects(stage.metrics.objects), listed)
+        key = JournalKey(stage.stage.name, stage.epoch, data, batches, layout)
+        checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
+        old, notes = find_resumable(root, key, lambda: model_fingerprint(_model_modules(brain)), checkpoint)
+        for note in notes:
+            logger.warning(note)
+        done = sorted(p for _, piece in old for p in piece["positions"])
+        digests = {p: d for _, piece in old for p, d in piece["batch_digests"].items()}
+        return key, compress(done), digests if batches is None else {}, old
+
     @classmethod
-    def open(cls, brain: Any, stage: Any, epoch: Optional[int], run: Any, root, every_s: float) -> "StageResume":
-        """Collective, at stage start: decide what is done and tell the loader."""
-        plan, error, old = None, None, []
-        if dist.get_rank() == 0:
-            try:
-                data, batches = _data_key(run.loader)
-                # Metric objects and the paths listed: what every run of the stage has (Brain
-                # attributes left by earlier stages differ, e.g. none after a restart skipped fit).
-                listed = [label for label in run.attributes.tracks if "." in label]
-                layout = layout_fingerprint(describe_objects(run.metrics.objects), listed)
-                key = JournalKey(stage.name, epoch, data, batches, layout)
-                checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
-                old, notes = find_resumable(root, key, lambda: model_fingerprint(_model_modules(brain)),
-                                            checkpoint)
-                for note in notes:
-                    logger.warning(note)
-                done = sorted(p for _, piece in old for p in piece["positions"])
-                digests = {p: d for _, piece in old for p, d in piece["batch_digests"].items()}
-                plan = (key, compress(done), digests if batches is None else {})
-            except Exception as exc:  # reported on every rank
-                error = exc
-        key, done_ranges, digests = dist.exchange(f"{stage.name} journal", plan, error=error)[0]
+    def accept(cls, proposal: Tuple[Any, list, dict], old: list, stage: "ShardedStage", root,
+               every_s: float) -> "StageResume":
+        """On every rank, with rank 0's :meth:`propose`: tells the loader what is done."""
+        key, done_ranges, digests = proposal
         done = expand(done_ranges)
-        if isinstance(run.loader, ShardedStreamLoader):
-            run.loader.skip(done, digests)
+        if isinstance(stage.loader, ShardedStreamLoader):
+            stage.loader.skip(done, digests)
         else:
-            run.loader.batch_sampler.skip(done)
+            stage.loader.batch_sampler.skip(done)
         if done and dist.get_rank() == 0:
             total = key.batches if key.batches is not None else "?"
-            logger.info(f"ddp_eval: resuming {stage.name} from its journal: {len(done)} of {total} batches done "
+            logger.info(f"ddp_eval: resuming {stage.stage.name} from its journal: {len(done)} of {total} batches done "
                         f"(from {len(old)} piece(s)); evaluating the others.")
         return cls(StageJournal(root, key, dist.get_rank(), every_s), done, old)
 
-    def after_batch(self, brain: Any, run: Any) -> None:
+    def after_batch(self, brain: Any, stage: "ShardedStage") -> None:
         """Writes this rank's piece of the batches since the previous one, if due.
 
         A piece that cannot be written (disk full, permissions) is warned about
@@ -123,25 +127,25 @@ class StageResume:
         if self.failed or not self.journal.due():
             return
         try:
-            self._write(brain, run)
+            self._write(brain, stage)
         except OSError as exc:
             self.failed = True
             logger.warning(f"ddp_eval: rank {dist.get_rank()} could not write its evaluation journal in "
                            f"{self.journal.folder} ({type(exc).__name__}: {exc}); it stops journaling this "
                            "stage, whose results are unaffected. Check resume_eval_dir.")
 
-    def _write(self, brain: Any, run: Any) -> None:
+    def _write(self, brain: Any, stage: "ShardedStage") -> None:
         if self.model is None:
             self.model = model_fingerprint(_model_modules(brain))
-        positions = global_batch_ids(run.loader)
-        covered = positions[self.journaled_batches: run.metrics.batches]
-        digests = getattr(run.loader, "digests", {})
-        loss = (run.loss_sum - self.journaled_loss[0], run.loss_count - self.journaled_loss[1])
+        positions = global_batch_ids(stage.loader)
+        covered = positions[self.journaled_batches: stage.metrics.batches]
+        digests = getattr(stage.loader, "digests", {})
+        loss = (stage.loss_sum - self.journaled_loss[0], stage.loss_count - self.journaled_loss[1])
         checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
-        self.journal.write(self.model, covered, loss, run.metrics.piece(positions), run.attributes.piece(positions),
-                           {p: digests.get(p) for p in covered}, checkpoint)
-        self.journaled_batches = run.metrics.batches
-        self.journaled_loss = (run.loss_sum, run.loss_count)
+        self.journal.write(self.model, covered, loss, stage.metrics.piece(positions),
+                           stage.attributes.piece(positions), {p: digests.get(p) for p in covered}, checkpoint)
+        self.journaled_batches = stage.metrics.batches
+        self.journaled_loss = (stage.loss_sum, stage.loss_count)
 
     def old_states(self) -> List[Tuple[Any, Any]]:
         """``(metric state, attribute state)`` of each resumed piece (rank 0; else empty)."""

@@ -17,12 +17,16 @@ Example
 []
 """
 
-from typing import Dict, Iterable, Iterator, List, Optional
+import array
+import hashlib
+import itertools
+import zlib
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from ddp_eval import dist
-from ddp_eval.errors import ConfigError
+from ddp_eval.errors import BatchPlanError, ConfigError
 from ddp_eval.journal import batch_ids_digest
 
 
@@ -37,19 +41,129 @@ def shard_batches(num_batches: int, rank: int, world_size: int) -> List[int]:
     return [i for i in range(num_batches) if batch_owner(i, world_size) == rank]
 
 
+class BatchLedger:
+    """What a stage's batches held, batch by batch, in the order they were built:
+    a running digest of their utterance ids (or indices), and per batch a crc32,
+    its size and its first ids, to name the first batch where two ranks differ.
+
+    Example
+    -------
+    >>> a, b = BatchLedger(), BatchLedger()
+    >>> a.add(["u1", "u2"]); a.add(["u3"]); b.add(["u1", "u2"]); b.add(["u4"])
+    >>> a.summary() == b.summary(), first_difference([a.crcs, b.crcs]), b.held(1)
+    (False, 1, "1 item(s): ['u4']")
+    """
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha1()
+        self.crcs = array.array("L")
+        self._heads: List[Tuple[int, str]] = []
+
+    def add(self, names: Sequence[Any]) -> None:
+        text = repr(list(names)).encode()
+        self._digest.update(text)
+        self.crcs.append(zlib.crc32(text))
+        self._heads.append((len(names), ", ".join(map(repr, names[:3]))[:80]))
+
+    def __len__(self) -> int:
+        return len(self.crcs)
+
+    def summary(self) -> Tuple[int, str]:
+        """``(number of batches, digest)``, compared across ranks."""
+        return len(self.crcs), self._digest.hexdigest()[:20]
+
+    def held(self, position: int) -> str:
+        """What batch ``position`` held, in a few words."""
+        if position >= len(self._heads):
+            return "no such batch"
+        size, head = self._heads[position]
+        return f"{size} item(s): [{head}{', ...' if size > 3 else ''}]"
+
+
+def first_difference(per_rank: Sequence[Sequence[int]]) -> int:
+    """The first position where the ranks' per-batch crcs differ (or one ends)."""
+    longest = max(len(c) for c in per_rank)
+    return next(p for p in range(longest + 1)
+                if len({c[p] if p < len(c) else None for c in per_rank}) > 1)
+
+
+def check_same_batches(what: str, summaries: Sequence[Tuple[int, str]], ledger: BatchLedger) -> None:
+    """Raises :class:`BatchPlanError` on every rank if the ranks built different
+    batches. Collective when they differ (two more exchanges that name the
+    first differing batch and what each rank held there); free otherwise."""
+    if len(set(summaries)) == 1:
+        return
+    crcs = dist.exchange(f"{what}: batches differ", ledger.crcs.tobytes())
+    position = first_difference([array.array("L", blob) for blob in crcs])
+    held = dist.exchange(f"{what}: batch {position}", ledger.held(position))
+    counts = ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(summaries))
+    raise BatchPlanError(
+        f"ddp_eval: {what}: the ranks built different batches, so some utterances would be "
+        f"evaluated twice and others never. Expected every rank to build the batches one process "
+        f"would, in the same order. Batches built: {counts}; the first that differs is batch "
+        f"{position}: " + "; ".join(f"rank {r} held {h}" for r, h in enumerate(held)) + ". A sampler "
+        "that depends on the rank or on an unseeded random generator, or whose state advanced "
+        "differently on some rank (set_epoch, a pass of its own), does this: seed it the same "
+        "way on every rank, call set_epoch on every rank, or set shard_valid/shard_test: false."
+    )
+
+
+class BatchPlan:
+    """The batches of one pass of a batch sampler, built once and kept compact
+    (one flat array of indices), with their :class:`BatchLedger`.
+
+    Example
+    -------
+    >>> plan = BatchPlan([[0, 1], [2]], names=["a", "b", "c"])
+    >>> len(plan), plan[1], plan.ledger.held(0)
+    (2, [2], "2 item(s): ['a', 'b']")
+    """
+
+    def __init__(self, batches: Iterable[Sequence[int]], names: Optional[Sequence[Any]] = None) -> None:
+        self.ledger = BatchLedger()
+        self._flat, self._ends, self._other = array.array("q"), array.array("q"), None
+        for batch in batches:
+            batch = list(batch)
+            self.ledger.add([names[i] for i in batch] if names is not None else batch)
+            if self._other is None and all(type(i) is int for i in batch):
+                self._flat.extend(batch)
+                self._ends.append(len(self._flat))
+            else:  # indices that are not ints (a sampler of keys): kept as they are
+                self._other = [self[i] for i in range(len(self._ends))] if self._other is None else self._other
+                self._other.append(batch)
+
+    def __len__(self) -> int:
+        return len(self._other) if self._other is not None else len(self._ends)
+
+    def __getitem__(self, position: int) -> List[Any]:
+        if self._other is not None:
+            return self._other[position]
+        start = self._ends[position - 1] if position else 0
+        return self._flat[start: self._ends[position]].tolist()
+
+
 class ShardedBatchSampler(Sampler):
     """Yields this rank's share of the batches of another batch sampler.
+
+    The batches of one pass of ``batch_sampler`` are built once per stage
+    (:meth:`new_plan`, called at stage start by the mixin, else by the
+    iteration itself), so the sampler is iterated as often as one process
+    iterates it; dealing, the journal and the cross-rank check all read that
+    one plan.
 
     Arguments
     ---------
     batch_sampler : iterable of lists of indices
         The batch sampler one process would use (e.g. ``BatchSampler`` or
         SpeechBrain's ``DynamicBatchSampler``); it must yield the same batches
-        on every rank.
+        on every rank (this is checked at the start of every sharded stage).
     rank : int, optional
         Defaults to the global rank.
     world_size : int, optional
         Defaults to the number of ranks.
+    names : sequence, optional
+        Item names by index (e.g. a ``DynamicItemDataset``'s ``data_ids``), for
+        the ledger; default: the indices.
 
     Example
     -------
@@ -64,11 +178,23 @@ class ShardedBatchSampler(Sampler):
         batch_sampler: Iterable[List[int]],
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        names: Optional[Sequence[Any]] = None,
     ) -> None:
         self.batch_sampler = batch_sampler
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.names = names
         self.done: frozenset = frozenset()
+        self.plan: Optional[BatchPlan] = None  # of the current stage
+        self._plan_unread = False  # new_plan() made it and no iteration has read it yet
+
+    def new_plan(self, limit: Optional[int] = None) -> BatchPlan:
+        """Builds this stage's batches: one pass of the batch sampler (its first
+        ``limit`` batches only, as a debug run stops early); forgets ``skip``."""
+        batches = iter(self.batch_sampler)
+        self.plan = BatchPlan(batches if limit is None else itertools.islice(batches, limit), self.names)
+        self.done, self._plan_unread = frozenset(), True
+        return self.plan
 
     def skip(self, done: Iterable[int]) -> None:
         """From now on, deal only the batches not in ``done`` (global positions),
@@ -76,19 +202,23 @@ class ShardedBatchSampler(Sampler):
         self.done = frozenset(done)
 
     def __iter__(self) -> Iterator[List[int]]:
-        mine = set(self.global_batch_ids())
-        for index, batch in enumerate(self.batch_sampler):
-            if index in mine:
-                yield batch
+        if not self._plan_unread:  # iterated again, or outside a stage: one more pass, as one process
+            self.new_plan()
+        self._plan_unread = False
+        plan = self.plan
+        for index in self.global_batch_ids():
+            yield plan[index]
 
     def __len__(self) -> int:
         return len(self.global_batch_ids())
 
     def global_batch_ids(self) -> List[int]:
-        """Global position of each batch this rank yields, in yield order."""
+        """Global position of each batch this rank yields from the current plan (before
+        any: from the batch sampler's length), in order."""
+        total = len(self.plan) if self.plan is not None else len(self.batch_sampler)
         if not self.done:
-            return shard_batches(len(self.batch_sampler), self.rank, self.world_size)
-        remaining = [i for i in range(len(self.batch_sampler)) if i not in self.done]
+            return shard_batches(total, self.rank, self.world_size)
+        remaining = [i for i in range(total) if i not in self.done]
         return [remaining[k] for k in shard_batches(len(remaining), self.rank, self.world_size)]
 
     def set_epoch(self, epoch: int) -> None:
@@ -116,6 +246,7 @@ class ShardedStreamLoader(DataLoader):
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self._yielded: List[int] = []
+        self.ledger = BatchLedger()  # every batch read by the latest iteration
         self.digests: Dict[int, Optional[str]] = {}  # position -> digest of its ids, of batches yielded
         self.done: frozenset = frozenset()
         self._expected: Dict[int, Optional[str]] = {}
@@ -128,9 +259,11 @@ class ShardedStreamLoader(DataLoader):
 
     def __iter__(self):
         self._yielded = yielded = []
-        self.digests = {}
+        self.digests, self.ledger = {}, BatchLedger()
         remaining = 0
         for index, batch in enumerate(super().__iter__()):
+            ids = getattr(batch, "id", None)
+            self.ledger.add(list(ids) if ids is not None else [])  # without ids: the count only
             if self.split == "by_dataset":
                 yielded.append(index)
                 yield batch
@@ -167,6 +300,21 @@ def is_sharded(loader) -> bool:
     """Whether ``loader`` was sharded by :func:`shard_dataloader`."""
     return isinstance(loader, ShardedStreamLoader) or isinstance(
         getattr(loader, "batch_sampler", None), ShardedBatchSampler)
+
+
+def new_plan(loader, limit: Optional[int] = None) -> Optional[BatchPlan]:
+    """At the start of a sharded stage: builds the batches of a map-style
+    ``loader`` (None for a stream, whose batches are known only as it is read)."""
+    if isinstance(loader, ShardedStreamLoader):
+        return None
+    return loader.batch_sampler.new_plan(limit)
+
+
+def describe_loader(loader, stage_name: str) -> str:
+    """``the VALID loader (DynamicBatchSampler)``: how errors name a loader."""
+    inner = loader.dataset if isinstance(loader, ShardedStreamLoader) else loader.batch_sampler.batch_sampler
+    inner = getattr(inner, "sampler", inner) if type(inner).__name__ == "BatchSampler" else inner
+    return f"the {stage_name} loader ({type(inner).__name__})"
 
 
 def global_batch_ids(loader) -> List[int]:
@@ -221,5 +369,6 @@ def shard_dataloader(loader: DataLoader, split: str = "batches") -> DataLoader:
             f"(batch_size={loader.batch_size}); expected batch_size or "
             "batch_sampler, or set shard_valid/shard_test: false."
         )
-    return DataLoader(loader.dataset, batch_sampler=ShardedBatchSampler(loader.batch_sampler),
+    names = getattr(loader.dataset, "data_ids", None)  # a DynamicItemDataset's utterance ids
+    return DataLoader(loader.dataset, batch_sampler=ShardedBatchSampler(loader.batch_sampler, names=names),
                       **_worker_options(loader))
