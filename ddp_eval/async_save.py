@@ -28,12 +28,16 @@ import atexit
 import collections
 import copy
 import logging
+import pathlib
 import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+from speechbrain.utils.checkpoints import PARAMFILE_EXT
+
+from ddp_eval import sb_compat
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +204,47 @@ class BackgroundSaves:
         snapshots = self.snapshot(states)
         self.writer.exit_timeout = timeout
         self.writer.start(lambda: write(snapshots), name)
+
+    def save(self, folder: Any, dirname: str, meta: Dict[str, Any], write_now: Callable[[pathlib.Path], None],
+             states: Callable[[], Dict[str, Any]], on_committed: Callable[[], None], timeout: float) -> None:
+        """One checkpoint of ``folder`` (a :class:`ddp_eval.CheckpointFolder`):
+        ``write_now(work)`` writes what cannot be snapshotted into the work
+        directory, ``states()`` is snapshotted, and the background thread
+        writes the snapshots, commits, then calls ``on_committed()``. Anything
+        that fails before the commit leaves no trace but the error."""
+        work = folder.begin(dirname)
+
+        def write(snapshots: Dict[str, Any]) -> None:
+            try:
+                for name, state in snapshots.items():
+                    torch.save(state, work / f"{name}{PARAMFILE_EXT}")
+                snapshots.clear()  # free the copy before the commit's fsyncs
+                folder.commit(work, dirname, meta)
+            except BaseException:
+                folder.abort(work)
+                raise
+            on_committed()
+
+        try:
+            write_now(work)
+            self.start(str(folder.root / dirname), states(), write, timeout)
+        except BaseException:
+            folder.abort(work)
+            raise
+
+    def save_checkpoint(self, checkpointer: Any, dirname: str, meta: Dict[str, Any],
+                        on_committed: Callable[[], None], timeout: float) -> None:
+        """A checkpoint of a :class:`ddp_eval.Checkpointer` on its writer: the
+        recoverables SpeechBrain saves as ``torch.save(state_dict())`` are
+        snapshotted, the others (own savers, custom hooks) written during the
+        call; the rest is :meth:`save`."""
+        by_state_dict = [n for n, obj in checkpointer.recoverables.items()
+                         if sb_compat.save_hook(checkpointer, n, obj) in sb_compat.STATE_DICT_SAVERS]
+        own_savers = [n for n in checkpointer.recoverables if n not in by_state_dict]
+        self.save(checkpointer.folder, dirname, meta,
+                  write_now=lambda work: sb_compat.call_save_hooks(checkpointer, work, own_savers),
+                  states=lambda: {n: checkpointer.recoverables[n].state_dict() for n in by_state_dict},
+                  on_committed=on_committed, timeout=timeout)
 
     def snapshot(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """In-memory copies of ``states``, or a ``MemoryError`` saying what is needed."""

@@ -33,7 +33,7 @@ import shutil
 import struct
 import uuid
 import zipfile
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import yaml
 from speechbrain.utils import checkpoints as sb_ckpt
@@ -326,6 +326,20 @@ class CheckpointFolder:
                     shutil.rmtree(entry, ignore_errors=True)
         if self.atomic is None:
             self.atomic = self._probe_storage()
+
+    def complete(self, paths: Iterable[pathlib.Path], required: Iterable[str] = ()
+                 ) -> Tuple[List[Tuple[pathlib.Path, dict]], Dict[pathlib.Path, str]]:
+        """Sorts checkpoint directories: ``([(path, meta)]`` of the complete ones,
+        ``{path: problem}`` of the others), by :func:`inspect_checkpoint_dir`."""
+        required = list(required)
+        found, problems = [], {}
+        for path in paths:
+            problem, meta = inspect_checkpoint_dir(path, self.checksums, required)
+            if problem:
+                problems[path] = problem
+            else:
+                found.append((path, meta))
+        return found, problems
 
     def _probe_storage(self) -> bool:
         probe = self.root / f"{TMP_PREFIX}probe.{uuid.uuid4().hex[:8]}"

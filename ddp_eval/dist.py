@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ddp_eval import sb_compat
 from ddp_eval.errors import (
     CollectiveTimeoutError,
     OutOfStepError,
@@ -93,20 +94,11 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0")) if is_initialized() else 0
 
 
-def _inside_single_rank_section() -> bool:
-    # SpeechBrain's run_on_main / main_process_only run code on one rank only;
-    # a collective there would wait for ranks that never come.
-    # NODE_ONCE_ONLY exists from SpeechBrain 1.1 on (1.0.x has MAIN_PROC_ONLY only).
-    from speechbrain.utils import distributed as sb_dist
-
-    return getattr(sb_dist, "MAIN_PROC_ONLY", 0) >= 1 or getattr(sb_dist, "NODE_ONCE_ONLY", 0) >= 1
-
-
 def _active() -> bool:
     return (
         is_initialized()
         and dist.get_world_size() > 1
-        and not _inside_single_rank_section()
+        and not sb_compat.inside_single_rank_section()
     )
 
 

@@ -39,6 +39,18 @@ class CheckpointWriteError(DDPEvalError):
 class CheckpointLoadError(DDPEvalError):
     """Loading a chosen checkpoint failed; raised on every rank, naming the file."""
 
+    @classmethod
+    def naming(cls, rank: int, checkpoint, error: BaseException, recoverable=None, file=None
+               ) -> "CheckpointLoadError":
+        """The error for ``error``, raised on ``rank`` loading ``recoverable`` from ``file``."""
+        what = f"recoverable '{recoverable}' from {file}" if file else f"checkpoint {checkpoint}"
+        return cls(
+            f"ddp_eval: rank {rank} could not load {what} (checkpoint "
+            f"{checkpoint}): {type(error).__name__}: {error}. Expected a file that its "
+            "recoverable's load hook accepts; move the checkpoint away to resume from the "
+            "previous one, or fix the recoverable's definition."
+        )
+
 
 class StorageError(DDPEvalError):
     """The checkpoint storage lacks atomic rename or fsync and fallback is off."""
