@@ -91,12 +91,6 @@ def layout_fingerprint(metric_objects: Sequence[Tuple[str, str]], attributes: Se
     return hashlib.sha1(repr((list(metric_objects), sorted(attributes))).encode()).hexdigest()[:20]
 
 
-def batch_ids_digest(batch: Any) -> Optional[str]:
-    """A digest of a batch's utterance ids (``batch.id``), None without ids."""
-    ids = getattr(batch, "id", None)
-    return None if ids is None else hashlib.sha1(repr(list(ids)).encode()).hexdigest()[:16]
-
-
 class StageJournal:
     """The pieces one rank writes during one stage.
 

@@ -17,11 +17,12 @@ Example
 """
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from ddp_eval import dist
+from ddp_eval.attributes import AttributeTracker
 from ddp_eval.commit import TMP_PREFIX
 from ddp_eval.journal import (
     JournalKey,
@@ -31,13 +32,22 @@ from ddp_eval.journal import (
     model_fingerprint,
     remove_pieces,
 )
-from ddp_eval.metrics import describe_objects
+from ddp_eval.metrics import MetricRecorder, describe_objects
 from ddp_eval.sharding import ShardedStreamLoader, global_batch_ids
 
-if TYPE_CHECKING:  # the stage drives its resume; only its type is needed here
-    from ddp_eval.stage import ShardedStage
-
 logger = logging.getLogger(__name__)
+
+
+class StageRecord(Protocol):
+    """What a resume reads of the stage that drives it (:class:`ddp_eval.stage.ShardedStage`)."""
+
+    stage: Any  # sb.Stage
+    epoch: Optional[int]
+    loader: Any  # the sharded loader
+    metrics: MetricRecorder
+    attributes: AttributeTracker
+    loss_sum: float
+    loss_count: int
 
 
 def compress(positions: Sequence[int]) -> List[Tuple[int, int]]:
@@ -84,7 +94,7 @@ class StageResume:
         self.failed = False
 
     @staticmethod
-    def propose(brain: Any, stage: "ShardedStage", root) -> Tuple[Any, list, dict, list]:
+    def propose(brain: Any, stage: StageRecord, root) -> Tuple[Any, list, dict, list]:
         """On rank 0 at stage start: ``(key, done ranges, stream digests, pieces)``
         of the journal this stage resumes; the first three travel to every rank."""
         data, batches = _data_key(stage.loader)
@@ -102,7 +112,7 @@ class StageResume:
         return key, compress(done), digests if batches is None else {}, old
 
     @classmethod
-    def accept(cls, proposal: Tuple[Any, list, dict], old: list, stage: "ShardedStage", root,
+    def accept(cls, proposal: Tuple[Any, list, dict], old: list, stage: StageRecord, root,
                every_s: float) -> "StageResume":
         """On every rank, with rank 0's :meth:`propose`: tells the loader what is done."""
         key, done_ranges, digests = proposal
@@ -117,7 +127,7 @@ class StageResume:
                         f"(from {len(old)} piece(s)); evaluating the others.")
         return cls(StageJournal(root, key, dist.get_rank(), every_s), done, old)
 
-    def after_batch(self, brain: Any, stage: "ShardedStage") -> None:
+    def after_batch(self, brain: Any, stage: StageRecord) -> None:
         """Writes this rank's piece of the batches since the previous one, if due.
 
         A piece that cannot be written (disk full, permissions) is warned about
@@ -134,7 +144,7 @@ class StageResume:
                            f"{self.journal.folder} ({type(exc).__name__}: {exc}); it stops journaling this "
                            "stage, whose results are unaffected. Check resume_eval_dir.")
 
-    def _write(self, brain: Any, stage: "ShardedStage") -> None:
+    def _write(self, brain: Any, stage: StageRecord) -> None:
         if self.model is None:
             self.model = model_fingerprint(_model_modules(brain))
         positions = global_batch_ids(stage.loader)

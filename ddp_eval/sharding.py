@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from ddp_eval import dist
 from ddp_eval.errors import BatchPlanError, ConfigError
-from ddp_eval.journal import batch_ids_digest
 
 
 def batch_owner(index: int, world_size: int) -> int:
@@ -39,6 +38,12 @@ def batch_owner(index: int, world_size: int) -> int:
 def shard_batches(num_batches: int, rank: int, world_size: int) -> List[int]:
     """Global indices of the batches that ``rank`` evaluates, in order."""
     return [i for i in range(num_batches) if batch_owner(i, world_size) == rank]
+
+
+def batch_ids_digest(batch: Any) -> Optional[str]:
+    """A digest of a batch's utterance ids (``batch.id``), None without ids."""
+    ids = getattr(batch, "id", None)
+    return None if ids is None else hashlib.sha1(repr(list(ids)).encode()).hexdigest()[:16]
 
 
 class BatchLedger:
