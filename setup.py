@@ -8,5 +8,7 @@ setup(
     python_requires=">=3.9",
     # Lower bounds: the oldest pair CI tests (.ci/run; README: Supported versions).
     install_requires=["speechbrain>=1.0.3", "torch>=2.4.1", "torchaudio>=2.4.1", "hyperpyyaml", "pyyaml", "soundfile"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout", "webdataset", "ruff"], "bench": ["matplotlib"]},
+    # sacrebleu: SpeechBrain's BLEUStats, in the recipe-pattern tests.
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "webdataset", "ruff", "sacrebleu"],
+                    "bench": ["matplotlib"]},
 )

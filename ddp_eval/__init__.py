@@ -23,7 +23,7 @@ Errors
     DDPEvalError and its subclasses.
 """
 
-from ddp_eval.attributes import merge_attribute_states
+from ddp_eval.attribute_merge import merge_attribute_states
 from ddp_eval.checkpoint import Checkpointer
 from ddp_eval.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
@@ -40,7 +40,8 @@ from ddp_eval.errors import (
     StateDivergenceError,
     StorageError,
 )
-from ddp_eval.metrics import find_metric_objects, merge_metric_stats
+from ddp_eval.metric_merge import merge_metric_stats
+from ddp_eval.metrics import find_metric_objects
 from ddp_eval.mixin import DDPEvalMixin
 from ddp_eval.sharding import ShardedBatchSampler, ShardedStreamLoader, shard_batches, shard_dataloader
 

@@ -39,7 +39,7 @@ import torch
 
 from ddp_eval.commit import write_file_atomically
 
-FORMAT = 1
+FORMAT = 2  # 2: attribute changes as ddp_eval.values.Change, per-batch files
 JOURNAL_DIRNAME = ".ddp_eval-journal"
 PIECE_PREFIX = "piece-"
 
@@ -121,11 +121,11 @@ class StageJournal:
 
     def write(self, model: str, positions: Sequence[int], loss: Tuple[float, int], metrics: Any,
               attributes: Any, batch_digests: Optional[Dict[int, Optional[str]]] = None,
-              checkpoint: Optional[str] = None) -> None:
+              checkpoint: Optional[str] = None, outputs: Optional[Dict[str, Any]] = None) -> None:
         """Writes one piece: the contributions of the batches at ``positions``."""
         piece = {"format": FORMAT, "key": dataclasses.asdict(self.key), "model": model, "checkpoint": checkpoint,
                  "rank": self.rank, "positions": list(positions), "batch_digests": batch_digests or {},
-                 "loss": tuple(loss), "metrics": metrics, "attributes": attributes}
+                 "loss": tuple(loss), "metrics": metrics, "attributes": attributes, "outputs": outputs or {}}
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{PIECE_PREFIX}{self.run}-r{self.rank}-{len(self.written):06d}.pkl"
         write_file_atomically(path, pickle.dumps(piece, protocol=pickle.HIGHEST_PROTOCOL), self.fsync)

@@ -1,56 +1,60 @@
-"""Merging SpeechBrain metric objects across ranks, exactly.
+"""SpeechBrain metric objects during a sharded stage, on one rank.
 
 A metric object's state is its list fields (ids, scores, predictions, ...,
-one entry per utterance) and its numeric fields (``AccuracyStats.correct``,
-``total``). During a sharded stage, a :class:`MetricRecorder` notes after
-every batch which list fields grew and to what length (nothing is copied); each
-rank then sends the entries it appended, cut per batch and tagged with the
-batch's global position. :func:`merge_metric_stats`
-(a pure function) puts the pieces back in global batch order, so the merged
-object holds exactly what one process would have appended, in the same order:
-``summarize()`` and ``write_stats()`` give single-process results bit for bit.
+one entry per utterance), fields that hold a fixed list of growing lists
+(``BLEUStats.targets``, one list per reference) and its numeric fields
+(``AccuracyStats.correct``, ``total``); metric objects it holds
+(``MultiMetricStats.metrics``, ``WeightedErrorRateStats.base_stats``, a
+``DWER``'s ``wer_computer``) are followed. During a sharded stage a
+:class:`MetricRecorder` notes after every batch which list fields grew and to
+what length (nothing is copied); each rank then sends the entries it
+appended, cut per batch and tagged with the batch's global position, and
+:func:`ddp_eval.metric_merge.merge_metric_stats` puts them back in global
+batch order: ``summarize()`` and ``write_stats()`` give single-process results
+bit for bit. Callables (a ``MetricStats``'s metric, a closure) never travel.
 
-Fields that did not grow during the stage (configuration lists, flags) are
-left as they are, and numbers are merged as the sum of per-rank increments.
+Metric objects may be created during the stage, as a ``defaultdict`` of
+``ErrorRateStats`` filled per decoding method does: every rank then holds
+every one of them (a rank that did not create one makes it, with the
+container's factory or the class), in the order one process created them.
 
 Example
 -------
->>> rank0 = {"m": {"lists": {"ids": ([0, 2], [1, 1], ["a", "c"])}, "numbers": {}}}
->>> rank1 = {"m": {"lists": {"ids": ([1], [1], ["b"])}, "numbers": {}}}
->>> merge_metric_stats([rank0, rank1])["m"]["lists"]["ids"]
-['a', 'b', 'c']
+>>> class Holder:
+...     pass
+>>> h = Holder()
+>>> h.err = MetricStats(metric=lambda x: x)
+>>> recorder = MetricRecorder(MetricFinder(), h)
+>>> h.err.ids.extend(["a", "b"]); h.err.scores.extend([1.0, 2.0])
+>>> objects = recorder.after_batch(h)
+>>> state = recorder.finish(h, positions=[3])
+>>> state["err"]["lists"]["ids"]
+([3], [2], ['a', 'b'])
 """
 
 import array
 import itertools
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from speechbrain.utils.Accuracy import AccuracyStats
-from speechbrain.utils.metric_stats import (
-    MetricStats,
-    MultiMetricStats,
-    WeightedErrorRateStats,
-)
+from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 
-from ddp_eval.attributes import growth_since
+from ddp_eval import sb_compat
 from ddp_eval.errors import ConfigError
+from ddp_eval.metric_merge import merge_metric_stats  # noqa: F401 - also public here
+from ddp_eval.order import growth_since
+from ddp_eval.probes import plain
+from ddp_eval.values import is_number
 
 METRIC_TYPES = (MetricStats, MultiMetricStats, AccuracyStats)
 
 Snapshot = Dict[str, Dict[str, Any]]  # path -> field -> list length or number
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def find_metric_objects(
-    owner: Any,
-    include: Optional[Sequence[str]] = None,
-    exclude: Sequence[str] = (),
-) -> Dict[str, Any]:
+def find_metric_objects(owner: Any, include: Optional[Sequence[str]] = None,
+                        exclude: Sequence[str] = ()) -> Dict[str, Any]:
     """Finds SpeechBrain metric objects held by ``owner`` (e.g. a Brain).
 
     Looks at attributes and one level into dict, list and tuple attributes;
@@ -108,70 +112,86 @@ class MetricFinder:
         self._seen = seen
         return dict(sorted(found.items()))
 
+    def rescan(self, owner: Any) -> Dict[str, Any]:
+        """:meth:`find` from nothing (containers were reordered or filled from outside)."""
+        self._seen = {}
+        return self.find(owner)
+
+    def where(self, path: str) -> Tuple[str, Any]:
+        """``(attribute, key)`` of a path found last (key None: the attribute itself)."""
+        attribute = path.split("[")[0]
+        return attribute, self._seen[attribute][2][path][0]
+
     def _scan(self, name: str, value: Any) -> Dict[str, Tuple[Any, Any]]:
         """``{path: (key, metric object)}`` of one attribute."""
         previous = self._seen.get(name)
+        here = {}
         if (isinstance(value, (dict, list)) and previous is not None and previous[0] is value
                 and previous[1] <= len(value)):
             # Known container: check what was found is still there, then scan new items only.
-            here = {}
             for path, (key, _) in previous[2].items():  # still a metric object at that key?
                 now = value.get(key) if isinstance(value, dict) else value[key]
                 if isinstance(now, METRIC_TYPES):
                     here[path] = (key, now)
             if isinstance(value, dict):
                 new_keys = list(itertools.islice(reversed(value), len(value) - previous[1]))[::-1]
-                items = ((k, value[k]) for k in new_keys)
+                items: Iterable = ((k, value[k]) for k in new_keys)
             else:
                 items = ((i, value[i]) for i in range(previous[1], len(value)))
+        elif isinstance(value, Mapping):
+            items = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
         else:
-            here = {}
-            if isinstance(value, Mapping):
-                items = value.items()
-            elif isinstance(value, (list, tuple)):
-                items = enumerate(value)
-            else:
-                items = ()
-                if isinstance(value, METRIC_TYPES):
-                    here[name] = (None, value)
+            items = ()
+            if isinstance(value, METRIC_TYPES):
+                here[name] = (None, value)
         for key, obj in items:
             if isinstance(obj, METRIC_TYPES):
                 here[f"{name}[{key}]"] = (key, obj)
         return here
 
 
-def _flatten(path: str, obj: Any) -> Iterable[Tuple[str, Any]]:
-    # Metric objects that hold other metric objects.
+def _flatten(path: str, obj: Any, seen: set) -> Iterable[Tuple[str, Any]]:
+    """The metric object and those it holds, as attributes or dict values."""
     yield path, obj
-    if isinstance(obj, MultiMetricStats):
-        for key, inner in obj.metrics.items():
-            yield from _flatten(f"{path}.metrics[{key}]", inner)
-    if isinstance(obj, WeightedErrorRateStats):
-        yield from _flatten(f"{path}.base_stats", obj.base_stats)
-
-
-def _all_flat(objects: Mapping[str, Any]) -> Iterable[Tuple[str, Any]]:
-    """Every (nested) metric object once, e.g. a base_stats also held directly."""
-    seen = set()
-    for top, obj in objects.items():
-        for path, sub in _flatten(top, obj):
+    for name, value in vars(obj).items():
+        inner = [(f"{path}.{name}", value)] if isinstance(value, METRIC_TYPES) else (
+            [(f"{path}.{name}[{key}]", v) for key, v in value.items() if isinstance(v, METRIC_TYPES)]
+            if isinstance(value, dict) else [])
+        for inner_path, sub in inner:
             if id(sub) not in seen:
                 seen.add(id(sub))
-                yield path, sub
+                yield from _flatten(inner_path, sub, seen)
+
+
+def all_flat(objects: Mapping[str, Any]) -> Iterable[Tuple[str, Any]]:
+    """Every (nested) metric object once, e.g. a base_stats also held directly."""
+    seen = {id(obj) for obj in objects.values()}
+    for top, obj in objects.items():
+        yield from _flatten(top, obj, seen)
+
+
+def _fields(sub: Any, nested: Iterable[str] = None) -> Iterable[Tuple[str, Any]]:
+    """``(field, list or number)`` of a metric object; each list of a field that
+    holds a fixed list of growing lists (:data:`ddp_eval.sb_compat.NESTED_LIST_FIELDS`)
+    as ``name[i]``."""
+    nested = sb_compat.nested_list_fields(sub) if nested is None else nested
+    for name, value in vars(sub).items():
+        if isinstance(value, list):
+            if name in nested:
+                for i, inner in enumerate(value):
+                    yield f"{name}[{i}]", inner
+            else:
+                yield name, value
+        elif is_number(value):
+            yield name, value
 
 
 def snapshot(objects: Mapping[str, Any]) -> Snapshot:
     """Records list lengths and numeric fields of every (nested) metric object."""
-    snap: Snapshot = {}
-    for path, sub in _all_flat(objects):
-        fields = {}
-        for name, value in vars(sub).items():
-            if isinstance(value, list):
-                fields[name] = len(value)
-            elif _is_number(value):
-                fields[name] = value
-        snap[path] = fields
-    return snap
+    return {path: {name: len(v) if isinstance(v, list) else v for name, v in _fields(sub)}
+            for path, sub in all_flat(objects)}
 
 
 def _pack(items: list) -> Any:
@@ -181,19 +201,15 @@ def _pack(items: list) -> Any:
         first = items[0]
         if all(x.shape == first.shape and x.dtype == first.dtype for x in items):
             return torch.stack([x.detach() for x in items]).cpu()
-    return [x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in items]
+    return [x.detach().cpu() if isinstance(x, torch.Tensor) else plain(x) for x in items]
 
-
-def _unpack(packed: Any) -> list:
-    return list(packed.unbind(0)) if isinstance(packed, torch.Tensor) else packed
 
 
 class MetricRecorder:
     """Records, batch by batch, how long the list fields of every (nested)
-    metric object are, for :func:`merge_metric_stats` to cut what each batch
-    appended. Per batch it stores one ``(batch, length)`` pair per list field
-    that grew, nothing for the others: O(fields) time and memory per batch,
-    whatever the metric objects hold.
+    metric object are, for the merge to cut what each batch appended. Per batch
+    it stores one ``(batch, length)`` pair per list field that grew, nothing for
+    the others: O(fields) time and memory per batch, whatever the objects hold.
 
     Arguments
     ---------
@@ -201,19 +217,6 @@ class MetricRecorder:
         Finds the metric objects of the owner (e.g. the Brain).
     owner : object
         Holder of the metric objects; recorded as they are now (stage start).
-
-    Example
-    -------
-    >>> class Holder:
-    ...     pass
-    >>> h = Holder()
-    >>> h.err = MetricStats(metric=lambda x: x)
-    >>> recorder = MetricRecorder(MetricFinder(), h)
-    >>> h.err.ids.extend(["a", "b"]); h.err.scores.extend([1.0, 2.0])
-    >>> objects = recorder.after_batch(h)
-    >>> state = recorder.finish(h, positions=[3])
-    >>> state["err"]["lists"]["ids"]
-    ([3], [2], ['a', 'b'])
     """
 
     def __init__(self, finder: MetricFinder, owner: Any) -> None:
@@ -221,11 +224,15 @@ class MetricRecorder:
         self.objects = finder.find(owner)
         self.start: Snapshot = snapshot(self.objects)
         self.batches = 0
-        self._piece_from, self._piece_numbers = 0, self.start  # where the next journal piece starts
+        self._piece_from, self._piece_numbers = 0, self.start
         self._last: Dict[Tuple[str, str], int] = {}
         self._changes: Dict[Tuple[str, str], array.array] = {}  # batch, length, batch, length, ...
-        for path, sub in _all_flat(self.objects):
-            for name, value in vars(sub).items():
+        self.first_seen: Dict[str, int] = {}  # path -> batch, of objects created during the stage
+        self.baselines: Snapshot = {}  # numbers of a fresh object, of objects created during the stage
+        self.shrunk: Dict[str, str] = {}  # path.field -> what happened
+        self.changed_batches: Dict[str, int] = {}  # path -> batches that appended to it
+        for path, sub in all_flat(self.objects):
+            for name, value in _fields(sub):
                 if isinstance(value, list):
                     self._last[(path, name)] = len(value)
 
@@ -237,24 +244,40 @@ class MetricRecorder:
         return self.objects
 
     def _note(self, batch: int) -> None:
-        for path, sub in _all_flat(self.objects):
-            for name, value in vars(sub).items():
+        for path, sub in all_flat(self.objects):
+            if path not in self.start and path not in self.first_seen:
+                self.first_seen[path] = batch
+                self.baselines[path] = fresh_numbers(sub)
+            grew = False
+            for name, value in _fields(sub):
                 if isinstance(value, list):
                     key = (path, name)
-                    if len(value) != self._last.get(key, 0):
+                    before = self._last.get(key, 0)
+                    if len(value) < before:
+                        self.shrunk[f"{path}.{name}"] = f"entries were removed ({before} -> {len(value)})"
+                    elif len(value) > before:
                         self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
                         self._last[key] = len(value)
+                        grew = True
+            if grew and path in self.start:  # existed at stage start, for the main-process-only check
+                self.changed_batches[path] = self.changed_batches.get(path, 0) + 1
 
     def finish(self, owner: Any, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
         """What this rank appended during the stage, cut per batch.
 
         ``positions`` are the global positions of this rank's batches. Returns
         ``{path: {"lists": {field: (positions, sizes, items)}, "numbers":
-        {field: delta}}}``: ``items`` are the new entries, ``sizes[i]`` of them
-        appended during the batch at ``positions[i]`` (``inf``: after the last batch).
+        {field: delta}, "nested": {field: number of lists}}}``: ``items`` are the
+        new entries, ``sizes[i]`` of them appended during the batch at
+        ``positions[i]`` (``inf``: after the last batch).
         """
         self.objects = self.finder.find(owner)
         self._note(self.batches)  # anything appended after the last batch
+        if self.shrunk:
+            field, why = next(iter(self.shrunk.items()))
+            raise ConfigError(f"ddp_eval: metric field '{field}' lost entries during the sharded stage ({why}); "
+                              "expected metric objects that only grow. Create a new one in on_stage_start "
+                              "instead of clearing it, or list it in ddp_eval: metrics_exclude.")
         return self._state(0, list(positions[: self.batches]) + [math.inf], self.start)
 
     def piece(self, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
@@ -266,71 +289,57 @@ class MetricRecorder:
 
     def _state(self, from_batch: int, places: Sequence[float], numbers_before: Snapshot) -> Dict[str, Dict[str, Any]]:
         state: Dict[str, Dict[str, Any]] = {}
-        for path, sub in _all_flat(self.objects):
-            lists, numbers = {}, {}
+        for path, sub in all_flat(self.objects):
+            lists, numbers, nested = {}, {}, {}
             started = self.start.get(path, {})
-            for name, value in vars(sub).items():
+            before = numbers_before.get(path, self.baselines.get(path, {}))
+            for name, value in _fields(sub):
                 if isinstance(value, list):
                     batches, bounds = growth_since(self._changes.get((path, name), ()), from_batch,
                                                    started.get(name, 0))
                     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
                     lists[name] = ([places[i] for i in batches], sizes, _pack(value[bounds[0]: bounds[-1]]))
-                elif _is_number(value):
-                    numbers[name] = value - numbers_before.get(path, {}).get(name, 0)
-            state[path] = {"lists": lists, "numbers": numbers}
+                    if "[" in name:
+                        outer = name.split("[")[0]
+                        nested[outer] = nested.get(outer, 0) + 1
+                else:
+                    numbers[name] = value - before.get(name, 0)
+            state[path] = {"lists": lists, "numbers": numbers, "nested": nested}
         return state
 
 
-def merge_metric_stats(rank_states: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Merges the per-rank states of :func:`local_state` (pure function).
-
-    List entries are put in global batch order (ties: rank order); numeric
-    increments are summed in rank order.
-
-    Example
-    -------
-    >>> r0 = {"acc": {"lists": {}, "numbers": {"correct": 3.0, "total": 4.0}}}
-    >>> r1 = {"acc": {"lists": {}, "numbers": {"correct": 1.0, "total": 4.0}}}
-    >>> merge_metric_stats([r0, r1])["acc"]["numbers"]
-    {'correct': 4.0, 'total': 8.0}
-    """
-    paths: List[str] = []
-    for state in rank_states:
-        paths.extend(p for p in state if p not in paths)
-    merged: Dict[str, Dict[str, Any]] = {}
-    for path in paths:
-        pieces: Dict[str, List[Tuple[float, int, list]]] = {}
-        numbers: Dict[str, Any] = {}
-        for rank, state in enumerate(rank_states):
-            entry = state.get(path, {"lists": {}, "numbers": {}})
-            for name, (positions, sizes, packed) in entry["lists"].items():
-                items, offset = _unpack(packed), 0
-                for position, size in zip(positions, sizes):
-                    pieces.setdefault(name, []).append((position, rank, items[offset : offset + size]))
-                    offset += size
-            for name, delta in entry["numbers"].items():
-                numbers[name] = numbers.get(name, 0) + delta
-        lists = {
-            name: [x for _, _, items in sorted(ps, key=lambda p: p[:2]) for x in items]
-            for name, ps in pieces.items()
-        }
-        merged[path] = {"lists": lists, "numbers": numbers}
-    return merged
+def fresh_numbers(obj: Any) -> Dict[str, Any]:
+    """The numeric fields of a fresh object of ``obj``'s class (what a metric
+    object created during the stage started from), or its own if its class
+    cannot be made without arguments."""
+    try:
+        fresh = type(obj)()
+    except Exception:  # needs arguments (a MetricStats's metric): its own numbers are its start
+        fresh = obj
+    return {name: value for name, value in _fields(fresh, ()) if not isinstance(value, list)}
 
 
-def apply_merged(
-    objects: Mapping[str, Any], start: Snapshot, merged: Mapping[str, Mapping[str, Any]]
-) -> None:
-    """Writes merged state into the local metric objects (prefix kept)."""
+def apply_merged(objects: Mapping[str, Any], start: Mapping[str, Mapping[str, Any]],
+                 merged: Mapping[str, Mapping[str, Any]]) -> None:
+    """Writes merged state into the local metric objects (what they held at
+    stage start kept, the merged entries after it)."""
     for top, obj in objects.items():
         _create_missing_inner(top, obj, merged)
-    for path, sub in _all_flat(objects):
+    for path, sub in all_flat(objects):
         if path not in merged:
             continue
         before = start.get(path, {})
-        for name, items in merged[path]["lists"].items():
-            setattr(sub, name, getattr(sub, name, [])[: before.get(name, 0)] + items)
-        for name, delta in merged[path]["numbers"].items():
+        state = merged[path]
+        for name, count in state.get("nested", {}).items():
+            outer = getattr(sub, name, None)
+            outer = outer if isinstance(outer, list) else []
+            outer += [[] for _ in range(count - len(outer))]
+            setattr(sub, name, [outer[i][: before.get(f"{name}[{i}]", 0)] + state["lists"].get(f"{name}[{i}]", [])
+                                for i in range(count)])
+        for name, items in state["lists"].items():
+            if "[" not in name:
+                setattr(sub, name, getattr(sub, name, [])[: before.get(name, 0)] + items)
+        for name, delta in state["numbers"].items():
             setattr(sub, name, before.get(name, 0) + delta)
         if isinstance(getattr(sub, "summary", None), dict):
             sub.summary = {}
@@ -344,24 +353,11 @@ def _create_missing_inner(top: str, obj: Any, merged: Mapping[str, Any]) -> None
     prefix = f"{top}.metrics["
     for path in merged:
         if path.startswith(prefix) and "." not in path[len(prefix):]:
-            key = path[len(prefix) : -1]
+            key = path[len(prefix): -1]
             if key not in {str(k) for k in obj.metrics}:
                 obj.metrics[key] = MetricStats(lambda x: x, batch_eval=True)
 
 
-def describe_objects(objects: Mapping[str, Any]) -> List[Tuple[str, str]]:
-    """``[(path, class name)]``, compared across ranks before merging."""
+def describe_objects(objects: Mapping[str, Any]) -> list:
+    """``[(path, class name)]`` of the metric objects (the journal's layout key)."""
     return [(path, type(obj).__name__) for path, obj in objects.items()]
-
-
-def check_same_objects(per_rank: Sequence[List[Tuple[str, str]]], stage: str) -> None:
-    """Raises :class:`ConfigError` if ranks hold different metric objects."""
-    if all(desc == per_rank[0] for desc in per_rank):
-        return
-    detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(per_rank))
-    raise ConfigError(
-        f"ddp_eval: at the end of {stage}, ranks hold different metric objects, so "
-        f"they cannot be merged; expected the same on every rank, got {detail}. "
-        "Create metric objects in on_stage_start (not lazily in "
-        "compute_objectives), or list them in ddp_eval: metrics_exclude."
-    )

@@ -2,10 +2,13 @@
 
 import logging
 import pathlib
+from contextlib import contextmanager
 from typing import Any, Dict, Optional
 
 import speechbrain as sb
 import torch
+from speechbrain.dataio.dataloader import LoopedLoader
+from torch.utils.data import DataLoader
 
 from ddp_eval import dist
 from ddp_eval.checkpoint import writer_only_saves
@@ -94,27 +97,36 @@ class DDPEvalMixin:
         return loader
 
     def fit(self, epoch_counter, train_set, valid_set=None, *args, **kwargs):
-        """SpeechBrain's ``fit``; a failure on one rank is raised on every rank, and
-        rank 0 returns once every rank has read the last control answer."""
-        self._ddp_loaders[sb.Stage.VALID] = valid_set  # make_dataloader replaces a Dataset
+        """SpeechBrain's ``fit``, with a loader the recipe built for VALID sharded too;
+        a failure on one rank is raised on every rank, and rank 0 returns once
+        every rank has read the last control answer."""
+        valid_set = self._ddp_loaders[sb.Stage.VALID] = self._ddp_shard_ready(valid_set, sb.Stage.VALID)
         try:
-            with dist.fail_together("fit"):
+            with dist.fail_together("fit"), self._ddp_abandon_on_error():
                 return super().fit(epoch_counter, train_set, valid_set, *args, **kwargs)
         finally:
             dist.settle()
 
     def evaluate(self, test_set, *args, **kwargs) -> float:
-        """SpeechBrain's ``evaluate``; returns the global TEST loss on every rank. A
-        failure on one rank is raised on every rank, and rank 0 returns once every
-        rank has read the last control answer."""
-        self._ddp_loaders[sb.Stage.TEST] = test_set
+        """SpeechBrain's ``evaluate``, with a loader the recipe built sharded too;
+        returns the global TEST loss on every rank. A failure on one rank is
+        raised on every rank, and rank 0 returns once every rank has read the
+        last control answer."""
+        test_set = self._ddp_loaders[sb.Stage.TEST] = self._ddp_shard_ready(test_set, sb.Stage.TEST)
         self._ddp_global_loss.pop(sb.Stage.TEST, None)
         try:
-            with dist.fail_together("evaluate"):
+            with dist.fail_together("evaluate"), self._ddp_abandon_on_error():
                 local_loss = super().evaluate(test_set, *args, **kwargs)
         finally:
             dist.settle()
         return self._ddp_global_loss.get(sb.Stage.TEST, local_loss)
+
+    def stage_output(self, path):
+        """The file to append a batch's results to, e.g. ``open(self.stage_output(
+        path), "a")``: during a sharded VALID/TEST batch, a part of ``path`` of this
+        rank's own, which rank 0 appends to ``path`` at stage end in one process's
+        batch order; anywhere else, ``path`` itself."""
+        return self._ddp_stage.stage_output(path) if self._ddp_stage is not None else path
 
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
         """Records the batch for the merge: the one per-batch hook of every Brain loop."""
@@ -123,6 +135,29 @@ class DDPEvalMixin:
         return super().update_average(loss, avg_loss)
 
     # -- internals ---------------------------------------------------------
+
+    def _ddp_shard_ready(self, loader, stage):
+        """A DataLoader or LoopedLoader the recipe built itself (SpeechBrain passes it
+        through without make_dataloader): sharded like those make_dataloader makes."""
+        ready = isinstance(loader, (DataLoader, LoopedLoader)) and not is_sharded(loader)
+        if not ready or not self._ddp_should_shard(stage):
+            return loader
+        try:
+            return shard_dataloader(loader, self.ddp_eval_config.stream_split)
+        except ConfigError as error:
+            logger.warning(f"ddp_eval: the {stage.name} loader the recipe built cannot be sharded, so every rank "
+                           f"evaluates all of it, as in SpeechBrain: {error}")
+            return loader
+
+    @contextmanager
+    def _ddp_abandon_on_error(self):
+        try:
+            yield
+        except BaseException:
+            if self._ddp_stage is not None:
+                self._ddp_stage.abandon()  # the user's objects get back plain numbers and factories
+                self._ddp_stage = None
+            raise
 
     def _ddp_should_shard(self, stage) -> bool:
         cfg = self.ddp_eval_config

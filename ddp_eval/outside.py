@@ -26,20 +26,10 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
-from ddp_eval.attributes import is_number
+from ddp_eval import sb_compat
+from ddp_eval.values import is_number
 
 Marker = Tuple[Any, ...]
-
-# SpeechBrain's decoders (beam searchers, scorers) keep per-call scratch state on
-# themselves (batch_size, n_bh, beam_offset, max_decode_steps, kv_cache), written by
-# every call before it is read: not state a stage accumulates, so never named.
-SCRATCH_STATE_PACKAGES = ("speechbrain.decoders.",)
-
-
-def _holds_scratch_state(obj: Any) -> bool:
-    """Whether ``obj`` is (a subclass of) a SpeechBrain decoder."""
-    return any(getattr(cls, "__module__", "").startswith(SCRATCH_STATE_PACKAGES) for cls in type(obj).__mro__)
-
 
 def _marker(value: Any) -> Any:
     if isinstance(value, list):
@@ -81,7 +71,7 @@ def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marke
     skipped = set(skip_ids) | {id(brain)}
     seen = set()
     for label, obj in _roots(brain):
-        if id(obj) in skipped or id(obj) in seen or _holds_scratch_state(obj):
+        if id(obj) in skipped or id(obj) in seen or sb_compat.holds_scratch_state(obj):
             continue
         seen.add(id(obj))
         marker = _marker(obj)

@@ -24,6 +24,7 @@ import torch
 from ddp_eval import dist
 from ddp_eval.attributes import AttributeTracker
 from ddp_eval.commit import TMP_PREFIX
+from ddp_eval.effects import StageOutputs
 from ddp_eval.journal import (
     JournalKey,
     StageJournal,
@@ -33,7 +34,7 @@ from ddp_eval.journal import (
     remove_pieces,
 )
 from ddp_eval.metrics import MetricRecorder, describe_objects
-from ddp_eval.sharding import ShardedStreamLoader, global_batch_ids
+from ddp_eval.sharding import global_batch_ids, is_stream
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class StageRecord(Protocol):
     loader: Any  # the sharded loader
     metrics: MetricRecorder
     attributes: AttributeTracker
+    outputs: StageOutputs
     loss_sum: float
     loss_count: int
 
@@ -75,7 +77,7 @@ def _model_modules(brain: Any) -> List[torch.nn.Module]:
 
 def _data_key(loader: Any) -> Tuple[str, Optional[int]]:
     """``(digest, number of batches)`` of this stage's batch plan (a stream: checked per batch)."""
-    if isinstance(loader, ShardedStreamLoader):
+    if is_stream(loader):
         return "stream", None
     count, digest = loader.batch_sampler.plan.ledger.summary()
     return digest, count
@@ -117,7 +119,7 @@ class StageResume:
         """On every rank, with rank 0's :meth:`propose`: tells the loader what is done."""
         key, done_ranges, digests = proposal
         done = expand(done_ranges)
-        if isinstance(stage.loader, ShardedStreamLoader):
+        if is_stream(stage.loader):
             stage.loader.skip(done, digests)
         else:
             stage.loader.batch_sampler.skip(done)
@@ -138,7 +140,7 @@ class StageResume:
             return
         try:
             self._write(brain, stage)
-        except OSError as exc:
+        except Exception as exc:  # a full disk, or a bound object that cannot be pickled
             self.failed = True
             logger.warning(f"ddp_eval: rank {dist.get_rank()} could not write its evaluation journal in "
                            f"{self.journal.folder} ({type(exc).__name__}: {exc}); it stops journaling this "
@@ -153,13 +155,15 @@ class StageResume:
         loss = (stage.loss_sum - self.journaled_loss[0], stage.loss_count - self.journaled_loss[1])
         checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
         self.journal.write(self.model, covered, loss, stage.metrics.piece(positions),
-                           stage.attributes.piece(positions), {p: digests.get(p) for p in covered}, checkpoint)
+                           stage.attributes.piece(positions), {p: digests.get(p) for p in covered}, checkpoint,
+                           stage.outputs.state(positions, self.journaled_batches))
         self.journaled_batches = stage.metrics.batches
         self.journaled_loss = (stage.loss_sum, stage.loss_count)
 
-    def old_states(self) -> List[Tuple[Any, Any]]:
-        """``(metric state, attribute state)`` of each resumed piece (rank 0; else empty)."""
-        return [(piece["metrics"], piece["attributes"]) for _, piece in self.old]
+    def old_states(self) -> List[Tuple[Any, Any, Any]]:
+        """``(metric state, attribute changes, per-batch files)`` of each resumed
+        piece (rank 0; else empty)."""
+        return [(piece["metrics"], piece["attributes"], piece["outputs"]) for _, piece in self.old]
 
     def old_loss(self) -> Tuple[float, int]:
         """Loss sum and count of the resumed pieces (rank 0; else zero)."""

@@ -28,11 +28,46 @@ STATE_DICT_SAVERS = tuple(h for h in (sb_ckpt.torch_save, getattr(sb_ckpt, "torc
 _MAIN_ONLY_CODE = sb_dist.main_process_only(lambda: None).__code__
 
 
+# Metric fields that hold a fixed list of lists, each growing at every append:
+# BLEUStats.targets, one list of references per reference set (speechbrain.utils.bleu
+# in 1.0.3, speechbrain.integrations.nlp.bleu in 1.1).
+NESTED_LIST_FIELDS = {"BLEUStats": ("targets",)}
+
+
+def nested_list_fields(metric: Any) -> Tuple[str, ...]:
+    """The fields of ``metric`` (by its class or a SpeechBrain base class) in
+    :data:`NESTED_LIST_FIELDS`."""
+    for cls in type(metric).__mro__:
+        if cls.__module__.startswith("speechbrain.") and cls.__name__ in NESTED_LIST_FIELDS:
+            return NESTED_LIST_FIELDS[cls.__name__]
+    return ()
+
+
+# SpeechBrain's decoders (beam searchers, scorers) keep per-call scratch state on
+# themselves (batch_size, n_bh, beam_offset, max_decode_steps, kv_cache), written by
+# every call before it is read (1.0.3 to 1.1.2): not state a stage accumulates.
+SCRATCH_STATE_PACKAGES = ("speechbrain.decoders.",)
+
+
+def holds_scratch_state(obj: Any) -> bool:
+    """Whether ``obj`` is (a subclass of) a SpeechBrain decoder."""
+    return any(getattr(cls, "__module__", "").startswith(SCRATCH_STATE_PACKAGES) for cls in type(obj).__mro__)
+
+
 def inside_single_rank_section() -> bool:
     """Whether SpeechBrain runs this code on one rank only (``run_on_main``,
     ``main_process_only``): a collective there would wait for ranks that never
     come. ``MAIN_PROC_ONLY`` in 1.0.3 to 1.1.2, ``NODE_ONCE_ONLY`` from 1.1 on."""
     return getattr(sb_dist, "MAIN_PROC_ONLY", 0) >= 1 or getattr(sb_dist, "NODE_ONCE_ONLY", 0) >= 1
+
+
+def local_collectives():
+    """A context in which SpeechBrain's collectives (``ddp_all_reduce``,
+    ``ddp_barrier``, ``ddp_broadcast``) return at once, as inside ``run_on_main``
+    (``MainProcessContext``, 1.0.3 to 1.1.2): sharded ranks evaluate different
+    numbers of batches, so a collective in per-batch code (InputNormalization's
+    statistics in 1.1) would wait for ranks that never come."""
+    return sb_dist.MainProcessContext()
 
 
 def save_hook(checkpointer: Any, name: str, obj: Any) -> Callable:

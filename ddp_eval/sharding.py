@@ -23,6 +23,7 @@ import itertools
 import zlib
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from ddp_eval import dist
@@ -232,24 +233,16 @@ class ShardedBatchSampler(Sampler):
             self.batch_sampler.set_epoch(epoch)
 
 
-class ShardedStreamLoader(DataLoader):
-    """A DataLoader over an ``IterableDataset`` that yields this rank's batches.
+class _Dealt:
+    """What a sharded stream does: every rank reads every batch (one process's
+    batches), keeps its share dealt in snake order, records the position and an
+    ids digest of each batch it keeps, and a ledger of all it read."""
 
-    With ``split="batches"`` every rank iterates the whole stream, so it builds
-    the batches one process would, and keeps its share, dealt as for map-style
-    sets: exact, but every rank reads and decodes everything. With
-    ``split="by_dataset"`` the dataset already yields a different part on each
-    rank (e.g. ``wds.split_by_node``) and every batch is kept. Either way the
-    position of each yielded batch is recorded for the merge.
-    """
-
-    def __init__(self, loader: DataLoader, split: str = "batches",
-                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
-        super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
-                         **_worker_options(loader))
+    def _start_dealing(self, split: str, rank: Optional[int], world_size: Optional[int]) -> None:
         self.split = split
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.limit: Optional[int] = None  # read at most this many batches (a debug run)
         self._yielded: List[int] = []
         self.ledger = BatchLedger()  # every batch read by the latest iteration
         self.digests: Dict[int, Optional[str]] = {}  # position -> digest of its ids, of batches yielded
@@ -262,11 +255,13 @@ class ShardedStreamLoader(DataLoader):
         digests, and deal the others in snake order (a resumed evaluation)."""
         self.done, self._expected = frozenset(done), dict(expected or {})
 
-    def __iter__(self):
+    def _deal(self, batches: Iterable[Any]) -> Iterator[Any]:
         self._yielded = yielded = []
         self.digests, self.ledger = {}, BatchLedger()
         remaining = 0
-        for index, batch in enumerate(super().__iter__()):
+        for index, batch in enumerate(batches):
+            if self.limit is not None and index >= self.limit:
+                break
             ids = getattr(batch, "id", None)
             self.ledger.add(list(ids) if ids is not None else [])  # without ids: the count only
             if self.split == "by_dataset":
@@ -301,30 +296,81 @@ class ShardedStreamLoader(DataLoader):
         return list(self._yielded)
 
 
+class ShardedStreamLoader(_Dealt, DataLoader):
+    """A DataLoader over an ``IterableDataset`` that yields this rank's batches.
+
+    With ``split="batches"`` every rank iterates the whole stream, so it builds
+    the batches one process would, and keeps its share, dealt as for map-style
+    sets: exact, but every rank reads and decodes everything. With
+    ``split="by_dataset"`` the dataset already yields a different part on each
+    rank (e.g. ``wds.split_by_node``) and every batch is kept. Either way the
+    position of each yielded batch is recorded for the merge.
+    """
+
+    def __init__(self, loader: DataLoader, split: str = "batches",
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                         **_worker_options(loader))
+        self._start_dealing(split, rank, world_size)
+
+    def __iter__(self):
+        return self._deal(DataLoader.__iter__(self))
+
+
+class ShardedLoopedLoader(_Dealt, LoopedLoader):
+    """SpeechBrain's ``LoopedLoader`` (a nominal epoch of ``epoch_length``
+    batches of an endless loader), sharded as a stream: every rank steps the
+    loader through the whole nominal epoch, as one process would, and keeps
+    its share of the batches."""
+
+    def __init__(self, looped: LoopedLoader, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        self.looped = looped
+        self._start_dealing("batches", rank, world_size)
+
+    def __iter__(self):
+        return self._deal(iter(self.looped))
+
+    def __getattr__(self, name: str) -> Any:  # loader, step, epoch_length, ... of the looped loader
+        if name == "looped":
+            raise AttributeError(name)
+        return getattr(self.looped, name)
+
+
+def is_stream(loader) -> bool:
+    """Whether ``loader`` is sharded as a stream (read whole on every rank, or by dataset)."""
+    return isinstance(loader, _Dealt)
+
+
 def is_sharded(loader) -> bool:
     """Whether ``loader`` was sharded by :func:`shard_dataloader`."""
-    return isinstance(loader, ShardedStreamLoader) or isinstance(
-        getattr(loader, "batch_sampler", None), ShardedBatchSampler)
+    return is_stream(loader) or isinstance(getattr(loader, "batch_sampler", None), ShardedBatchSampler)
 
 
 def new_plan(loader, limit: Optional[int] = None) -> Optional[BatchPlan]:
     """At the start of a sharded stage: builds the batches of a map-style
-    ``loader`` (None for a stream, whose batches are known only as it is read)."""
-    if isinstance(loader, ShardedStreamLoader):
+    ``loader`` (its first ``limit``, as a debug run evaluates); a stream's
+    batches are known only as it is read (None; it stops after ``limit``)."""
+    if is_stream(loader):
+        loader.limit = limit
         return None
     return loader.batch_sampler.new_plan(limit)
 
 
 def describe_loader(loader, stage_name: str) -> str:
     """``the VALID loader (DynamicBatchSampler)``: how errors name a loader."""
-    inner = loader.dataset if isinstance(loader, ShardedStreamLoader) else loader.batch_sampler.batch_sampler
+    if isinstance(loader, ShardedLoopedLoader):
+        inner = loader.looped
+    elif is_stream(loader):
+        inner = loader.dataset
+    else:
+        inner = loader.batch_sampler.batch_sampler
     inner = getattr(inner, "sampler", inner) if type(inner).__name__ == "BatchSampler" else inner
     return f"the {stage_name} loader ({type(inner).__name__})"
 
 
 def global_batch_ids(loader) -> List[int]:
     """Global position of each batch a sharded ``loader`` yielded (streams) or yields."""
-    if isinstance(loader, ShardedStreamLoader):
+    if is_stream(loader):
         return loader.global_batch_ids()
     return loader.batch_sampler.global_batch_ids()
 
@@ -358,6 +404,8 @@ def shard_dataloader(loader: DataLoader, split: str = "batches") -> DataLoader:
     """
     if is_sharded(loader):
         return loader
+    if isinstance(loader, LoopedLoader):
+        return ShardedLoopedLoader(loader)
     if isinstance(loader.dataset, IterableDataset):
         return ShardedStreamLoader(loader, split)
     sampler = getattr(loader.batch_sampler, "sampler", None)

@@ -4,14 +4,16 @@ A :class:`ShardedStage` is created by :class:`ddp_eval.DDPEvalMixin` when a
 sharded stage starts and dropped once ``on_stage_end`` has run on every rank:
 
 1. :meth:`ShardedStage.start` (collective): builds the stage's batch plan,
-   starts recording metric objects, Brain attributes and the state outside
-   the Brain, and in one exchange checks the plans agree and learns from
-   rank 0 which batches a journal already holds; then broadcasts DDP buffers.
+   starts recording metric objects, Brain attributes, per-batch files and
+   the state outside the Brain, and in one exchange checks the plans agree
+   and learns from rank 0 which batches a journal already holds; then
+   broadcasts DDP buffers.
 2. :meth:`ShardedStage.after_batch`: after every batch this rank evaluates,
    notes the loss and what the batch changed (and journals it when due).
-3. :meth:`ShardedStage.finish` (collective): reduces the loss, gathers every
-   rank's changes and applies the merge, so ``on_stage_end`` sees what one
-   process would hold; names what could not be merged.
+3. :meth:`ShardedStage.finish` (collective): one exchange of what every rank
+   holds, then the loss reduced and every rank's changes gathered, merged and
+   applied, so ``on_stage_end`` sees what one process would hold; what could
+   not be merged is named (:mod:`ddp_eval.stage_report`).
 4. :meth:`ShardedStage.close`: removes the stage's journal.
 """
 
@@ -19,24 +21,23 @@ import gc
 import logging
 import pickle
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ddp_eval import dist
-from ddp_eval.attributes import AttributeTracker, merge_attribute_states, resolve
-from ddp_eval.errors import ConfigError
-from ddp_eval.metrics import (
-    MetricFinder,
-    MetricRecorder,
-    apply_merged,
-    check_same_objects,
-    describe_objects,
-    merge_metric_stats,
-)
+from ddp_eval import dist, sb_compat
+from ddp_eval.attribute_merge import last_candidates, merge_attribute_states
+from ddp_eval.attributes import AttributeTracker, resolve
+from ddp_eval.effects import AppendWatch, StageOutputs, module_states, write_outputs
+from ddp_eval.metric_layout import complete, describe
+from ddp_eval.metric_merge import merge_metric_stats
+from ddp_eval.metrics import MetricFinder, MetricRecorder, apply_merged
+from ddp_eval.order import in_global_order
 from ddp_eval.outside import changed_outside, outside_markers
 from ddp_eval.resume import StageResume
-from ddp_eval.sharding import ShardedStreamLoader, check_same_batches, describe_loader, global_batch_ids, new_plan
+from ddp_eval.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
+from ddp_eval.stage_report import StageReport
+from ddp_eval.values import ELSEWHERE
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +73,17 @@ class ShardedStage:
     def __init__(self, brain: Any, stage: Any, epoch: Optional[int], loader: Any, journal_root=None) -> None:
         self.brain, self.stage, self.epoch, self.loader = brain, stage, epoch, loader
         self.config = brain.ddp_eval_config
-        by_dataset = isinstance(loader, ShardedStreamLoader) and loader.split == "by_dataset"
         # by_dataset positions differ per rank: such a stage is not journaled
-        self.journal_root = None if by_dataset else journal_root
+        self.journal_root = None if is_stream(loader) and loader.split == "by_dataset" else journal_root
         self.metrics: Optional[MetricRecorder] = None
         self.attributes: Optional[AttributeTracker] = None
+        self.outputs = StageOutputs(dist.get_rank())
+        self.appends = AppendWatch()
         self.outside: Dict[str, Any] = {}
+        self.modules: Dict[str, int] = {}
         self.resume: Optional[StageResume] = None
+        self.running = False  # between start() and finish(): batches are being evaluated
+        self.local_collectives = sb_compat.local_collectives()
         self.loss_sum, self.loss_count = 0.0, 0
 
     # -- start -------------------------------------------------------------------
@@ -88,12 +93,13 @@ class ShardedStage:
         cfg, brain = self.config, self.brain
         self.metrics = MetricRecorder(MetricFinder(cfg.metrics_include, cfg.metrics_exclude), brain)
         self.attributes = AttributeTracker(self._targets(self.metrics.objects), cfg.attribute_memory_mb)
-        self.outside = self._outside_markers()
+        self.outside, self.modules = self._outside_markers(), module_states(brain)
         plan, old = None, []
+        limit = brain.debug_batches if getattr(brain, "debug", False) else None  # --debug: global batches
 
         def local():  # the plan on every rank; the journal's answer on rank 0
             nonlocal plan, old
-            plan = new_plan(self.loader)
+            plan = new_plan(self.loader, limit)
             proposal = None
             if self.journal_root is not None and dist.get_rank() == 0:
                 *proposal, old = StageResume.propose(brain, self, self.journal_root)
@@ -105,6 +111,10 @@ class ShardedStage:
         dist.broadcast_ddp_buffers(list(brain.modules.values()))
         if self.journal_root is not None:
             self.resume = StageResume.accept(per_rank[0][1], old, self, self.journal_root, cfg.resume_eval_every_s)
+        self.running = True
+        self.appends.__enter__()
+        self.local_collectives.__enter__()
+        self.attributes.before_batch()
 
     def _targets(self, metric_objects) -> Dict[str, Any]:
         """``{label: (owner, name)}``: the Brain's attributes, then dotted paths to merge."""
@@ -119,9 +129,8 @@ class ShardedStage:
         """Plain attributes of the recipe's Brain that may be merged (not those
         holding the ``metric_objects`` found, nor what ``sb.Brain`` set up)."""
         cfg, brain = self.config, self.brain
-        metric_holders = {path.split("[")[0] for path in metric_objects}
-        names = set(vars(brain)) - brain._ddp_brain_attributes - metric_holders - set(cfg.attributes_exclude)
-        names -= {"on_stage_start", "on_stage_end", "ddp_eval_config"}  # the mixin's own
+        names = set(vars(brain)) - brain._ddp_brain_attributes - _holders(metric_objects)
+        names -= set(cfg.attributes_exclude) | {"on_stage_start", "on_stage_end", "ddp_eval_config"}
         plain = [n for n in cfg.attributes_include or () if "." not in n]
         if plain:  # names without a dot restrict the Brain's attributes; paths only add
             names &= set(plain)
@@ -140,58 +149,126 @@ class ShardedStage:
         if torch.isfinite(torch.as_tensor(loss)):  # as SpeechBrain's average skips non-finite losses
             self.loss_sum += float(loss)
             self.loss_count += 1
+        batch = self.metrics.batches
         objects = self.metrics.after_batch(self.brain)
+        self.attributes.drop(_holders(objects) & set(self.attributes.tracks))
         self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
         self.attributes.after_batch()
+        self.outputs.after_batch(batch)
         if self.resume is not None:
             self.resume.after_batch(self.brain, self)
+        self.attributes.before_batch()
+
+    def stage_output(self, path: Any) -> Any:
+        """This rank's part of a per-batch file while batches run; ``path`` otherwise."""
+        return self.outputs.part(path) if self.running else path
 
     # -- end ------------------------------------------------------------------------
 
     def finish(self, local_loss: float) -> float:
-        """Collective: the global stage loss, with metrics and attributes merged."""
-        if dist.get_world_size() == 1 and not (self.resume is not None and self.resume.done):
+        """Collective: the global stage loss, with metrics, attributes and per-batch
+        files merged; what could not be is named."""
+        self._stop_batches()
+        resumed = self.resume is not None and self.resume.done
+        if dist.get_world_size() == 1 and not resumed:
+            self._finish_alone()
             return local_loss  # one process that evaluated everything itself: nothing to merge
-        packed, objects = None, {}
-
-        def local():  # everything that can fail on one rank happens before the exchange
-            nonlocal packed, objects
-            positions = global_batch_ids(self.loader)
-            metric_state = self.metrics.finish(self.brain, positions)
-            objects = self.metrics.objects
-            _, unmergeable, attribute_state = self.attributes.finish(positions)
-            excluded = set(self.config.attributes_exclude) | set(self.attributes.tracks)
-            outside = {label: why for label, why in changed_outside(self.outside, self._outside_markers()).items()
-                       if label not in excluded}
-            old = self.resume.old_states() if self.resume is not None else []
-            packed = pickle.dumps((metric_state, attribute_state, old))
-            return describe_objects(objects), unmergeable, outside, self._stream_read()
-
-        per_rank = dist.decide(f"{self.stage.name} stage end", local)
-        if self._stream_read() is not None:  # a stream's batches are known once read: checked here
-            check_same_batches(describe_loader(self.loader, self.stage.name), [p[3] for p in per_rank],
+        collected: Dict[str, Any] = {}
+        per_rank = dist.decide(f"{self.stage.name} stage end", lambda: self._collect(collected))
+        report = StageReport(self.stage.name, per_rank, self.config.on_unmergeable_attribute)
+        if report.stream_read[0] is not None:  # a stream's batches are known once read: checked here
+            check_same_batches(describe_loader(self.loader, self.stage.name), report.stream_read,
                                self.loader.ledger)
-        check_same_objects([p[0] for p in per_rank], self.stage.name)
-        report_unmergeable(self.stage.name, [p[1] for p in per_rank], [p[2] for p in per_rank],
-                           self.config.on_unmergeable_attribute)
+        objects = complete(self.brain, self.metrics, report.layouts, self.stage.name)
+        report.raise_or_warn()
         old_sum, old_count = self.resume.old_loss() if self.resume is not None else (0.0, 0)
         total, count = dist.all_reduce_sum([self.loss_sum + old_sum, self.loss_count + old_count])
+        won = {path: blob for path, blob in collected["bound"].items() if report.winners.get(path) == dist.get_rank()}
         with _gc_paused():  # unpickling many small objects triggers costly full GCs
-            states = [pickle.loads(view) for view in dist.all_gather_bytes(packed)]
-            # every rank's stage, then the journal's pieces (rank 0 sent them): all by global position
-            states = [(m, a) for m, a, _ in states] + [piece for _, _, old in states for piece in old]
-            apply_merged(objects, self.metrics.start, merge_metric_stats([m for m, _ in states]))
-            self.attributes.apply(merge_attribute_states([a for _, a in states]), self._locate)
+            gathered = [pickle.loads(view) for view in dist.all_gather_bytes(pickle.dumps((collected["packed"], won)))]
+            self._merge([pickle.loads(packed) for packed, _ in gathered], [w for _, w in gathered], objects, report)
+        self.outputs.remove_parts()
+        report.warn_effects()
         return total / count if count else 0.0
+
+    def _collect(self, collected: Dict[str, Any]) -> Dict[str, Any]:
+        """Everything that can fail on one rank, before the exchange: this rank's
+        state (kept in ``collected``) and what travels in the exchange."""
+        positions = global_batch_ids(self.loader)
+        metric_state = self.metrics.finish(self.brain, positions)
+        changes, unmergeable = self.attributes.finish(positions)
+        excluded = set(self.config.attributes_exclude) | set(self.attributes.tracks)
+        outside = {label: why for label, why in changed_outside(self.outside, self._outside_markers()).items()
+                   if label not in excluded}
+        old = self.resume.old_states() if self.resume is not None else []
+        places = list(positions[: self.metrics.batches]) + [float("inf")]
+        outputs = self.outputs.state(places)
+        bound, last = {}, {}
+        objects = self.attributes.bound_objects()
+        for path, position in last_candidates(changes).items():
+            try:
+                bound[path] = pickle.dumps(objects[path])
+                last[path] = (position, None)
+            except Exception as exc:  # named only if this rank's object is the one to send
+                last[path] = (position, f"{type(exc).__name__}: {exc}")
+        collected.update(packed=pickle.dumps((metric_state, changes, outputs, old)), bound=bound)
+        changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
+        return {"layout": describe(self.metrics, self.brain, positions), "unmergeable": unmergeable,
+                "outside": outside, "stream": self._stream_read(), "last": last,
+                "piece_last": [last_candidates(piece[1]) for piece in old], "changed": changed,
+                "batches": self.metrics.batches, "modules": (self.modules, module_states(self.brain)),
+                "appends": list(self.appends.paths)}
+
+    def _merge(self, states: List[Tuple[Any, ...]], won: List[Dict[str, bytes]], objects, report) -> None:
+        """Merges every rank's state, then the journal's pieces, by global position."""
+        pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
+        metric_states = [s[0] for s in states] + [p[0] for p in pieces]
+        apply_merged(objects, self.metrics.start, merge_metric_stats(metric_states))
+        result = merge_attribute_states([s[1] for s in states] + [p[1] for p in pieces])
+        report.conflicts(result.conflicts, result.assumed)
+        rank = dist.get_rank()
+
+        def last_value(label: str) -> Any:
+            winner = report.winners.get(label)
+            return ELSEWHERE if winner == rank else pickle.loads(won[winner][label])
+
+        self.attributes.apply(result.merged, self._locate, last_value)
+        outputs: Dict[str, list] = {}
+        for part in [s[2] for s in states] + [p[2] for p in pieces]:
+            for target, chunks in part.items():
+                outputs.setdefault(target, []).append(chunks)
+        if rank == 0:
+            write_outputs({target: in_global_order(chunks) for target, chunks in outputs.items()})
+
+    def _finish_alone(self) -> None:
+        """One process: probes out, its own per-batch files appended to their targets."""
+        self.metrics.finish(self.brain, global_batch_ids(self.loader))
+        self.attributes.finish(global_batch_ids(self.loader))
+        places = list(global_batch_ids(self.loader)) + [float("inf")]
+        write_outputs({t: in_global_order([c]) for t, c in self.outputs.state(places).items()})
+        self.outputs.remove_parts()
 
     def _stream_read(self):
         """A stream read whole on every rank: ``(batches, digest)`` of what it read."""
         loader = self.loader
-        return loader.ledger.summary() if isinstance(loader, ShardedStreamLoader) and loader.split == "batches" \
-            else None
+        return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
 
     def _locate(self, label: str):
         return resolve(self.brain, label) if "." in label else (self.brain, label)
+
+    def _stop_batches(self) -> None:
+        if self.running:
+            self.running = False
+            self.appends.__exit__()
+            self.local_collectives.__exit__(None, None, None)
+
+    def abandon(self) -> None:
+        """The stage ended by an exception: the user's objects get back their plain
+        numbers and factories, and this rank's part files are removed."""
+        self._stop_batches()
+        if self.attributes is not None:
+            self.attributes.release()
+        self.outputs.remove_parts()
 
     def close(self) -> None:
         """After ``on_stage_end`` ran on every rank: the journal is no longer needed."""
@@ -199,45 +276,6 @@ class ShardedStage:
             self.resume.close()
 
 
-def report_unmergeable(stage_name: str, unmergeable: List[Dict[str, str]], outside: List[Dict[str, str]],
-                       action: str) -> None:
-    """Warns (rank 0) or raises (every rank, ``action == "error"``) about state
-    left rank-local, from every rank's reports."""
-    messages = []
-    name = stage_name.lower()
-    found = _first_seen(unmergeable)
-    if found:
-        messages.append(
-            f"ddp_eval: at the end of the sharded {stage_name} stage, attributes changed "
-            f"in a way that cannot be merged across ranks, so each rank holds only its own "
-            f"batches' values: {found}. Expected lists that only grow, dicts that gain keys "
-            "or replace values, numbers or fixed-shape tensors that accumulate. Compute the "
-            "value in on_stage_end from merged state, or list the attribute in "
-            f"ddp_eval: attributes_exclude (silences this), or set shard_{name}: false."
-        )
-    found = _first_seen(outside)
-    if found:
-        messages.append(
-            f"ddp_eval: during the sharded {stage_name} stage, state outside the Brain "
-            f"changed, so each rank holds only its own batches' share of it: {found}. "
-            "Expected state a stage accumulates on the Brain. To merge it like a Brain "
-            "attribute, list its path in ddp_eval: attributes_include (e.g. "
-            f"[hparams.aligner.align_dict]); or set shard_{name}: false; or list the path "
-            "in ddp_eval: attributes_exclude if it is rank-local on purpose."
-        )
-    if not messages:
-        return
-    if action == "error":
-        raise ConfigError(" ".join(messages))
-    if dist.get_rank() == 0:
-        for message in messages:
-            logger.warning(message)
-
-
-def _first_seen(per_rank: List[Dict[str, str]]) -> str:
-    """``'name': why (first seen on rank r); ...`` over the ranks' reports."""
-    found: Dict[str, str] = {}
-    for rank, report in enumerate(per_rank):
-        for name, why in report.items():
-            found.setdefault(name, f"{why} (first seen on rank {rank})")
-    return "; ".join(f"'{name}': {why}" for name, why in sorted(found.items()))
+def _holders(metric_objects) -> set:
+    """Brain attributes that hold the metric objects found (merged as metric objects)."""
+    return {path.split("[")[0].split(".")[0] for path in metric_objects}

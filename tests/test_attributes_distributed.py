@@ -8,7 +8,7 @@ import speechbrain as sb
 
 from tests import toy
 from tests.mp_harness import results, run_ranks
-from tests.workers import accumulating_recipe, reassigned_attribute
+from tests.workers import accumulating_recipe, running_max_attribute
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,24 +41,25 @@ def test_lists_counters_dicts_and_accumulators_equal_one_process(world_size, str
         assert not [i for i in per_rank[2]["seen"] if i.startswith("tst")]
 
 
-def test_replaced_attribute_is_named_in_a_warning(tmp_path):
-    per_rank = results(run_ranks(reassigned_attribute, 2, str(tmp_path), None, timeout=120))
+def test_a_value_computed_from_its_previous_one_is_named_in_a_warning(tmp_path):
+    """A running maximum cannot be merged (max of each rank's own batches);
+    the ids of the last batch, set anew every batch, are (the global last)."""
+    per_rank = results(run_ranks(running_max_attribute, 2, str(tmp_path), None, timeout=120))
     warnings = per_rank[0]
     assert len(warnings) == 2  # VALID and TEST, on rank 0 only
-    assert "'last_ids': a new list was assigned during the stage" in warnings[0]
-    assert "attributes_exclude" in warnings[0]
+    assert "'best_batch_acc': a batch computed its new value from its previous one" in warnings[0]
+    assert "attributes_exclude" in warnings[0] and "last_ids" not in warnings[0]
     assert per_rank[1] == []
 
 
-def test_replaced_attribute_can_be_an_error_on_every_rank(tmp_path):
-    outcomes = run_ranks(reassigned_attribute, 3, str(tmp_path),
-                         {"on_unmergeable_attribute": "error"}, timeout=120)
+def test_a_value_computed_from_its_previous_one_can_be_an_error_on_every_rank(tmp_path):
+    outcomes = run_ranks(running_max_attribute, 3, str(tmp_path), {"on_unmergeable_attribute": "error"}, timeout=120)
     for outcome in outcomes:
         assert outcome.get("error") == "ConfigError", outcome
-        assert "'last_ids'" in outcome["message"]
+        assert "'best_batch_acc'" in outcome["message"]
 
 
 def test_excluded_attribute_stays_rank_local_without_warning(tmp_path):
-    per_rank = results(run_ranks(reassigned_attribute, 2, str(tmp_path),
-                                 {"attributes_exclude": ["last_ids"]}, timeout=120))
+    per_rank = results(run_ranks(running_max_attribute, 2, str(tmp_path),
+                                 {"attributes_exclude": ["best_batch_acc"]}, timeout=120))
     assert per_rank == [[], []]

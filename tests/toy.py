@@ -168,9 +168,8 @@ def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, d
     probe = WriterProbe()
     checkpointer = checkpointer_cls(ckpt_dir, recoverables={
         "model": model, "counter": counter, "scheduler": scheduler, "probe": probe})
-    hparams = {"scheduler": scheduler, "counter": counter, "probe": probe}
-    if ddp_eval_opts is not None:
-        hparams["ddp_eval"] = ddp_eval_opts
+    hparams = {"scheduler": scheduler, "counter": counter, "probe": probe,
+               "ddp_eval": with_seen_excluded(ddp_eval_opts)}
     brain = brain_cls(modules={"model": model}, opt_class=lambda p: torch.optim.SGD(p, lr=lr),
                       hparams=hparams, run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo"},
                       checkpointer=checkpointer)
@@ -179,9 +178,20 @@ def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, d
     return brain
 
 
+def with_seen_excluded(ddp_eval_opts=None):
+    """The ddp_eval section of a toy Brain: ``seen``, the test's record of what this
+    rank evaluated, stays rank-local (it is an object whose contents change)."""
+    if ddp_eval_opts is not None and not isinstance(ddp_eval_opts, dict):
+        return ddp_eval_opts  # a wrong section, kept as it is for the tests of its error
+    opts = dict(ddp_eval_opts or {})
+    exclude = opts.get("attributes_exclude", [])
+    opts["attributes_exclude"] = ["seen"] + exclude if isinstance(exclude, list) else exclude
+    return opts
+
+
 def run_recipe(brain, n_train=10, n_valid=23, n_test=23, n_tiny=2):
     """fit (VALID with batch_size 3), evaluate with DynamicBatchSampler, a tiny test
-    set, then a ready DataLoader as it is (every rank evaluates all of it) and
+    set, then a ready DataLoader as the recipe built it (the mixin shards it) and
     sharded with ddp_eval.shard_dataloader. Returns what each pass saw."""
     train, valid, test, tiny = (make_dataset(n_train, 0), make_dataset(n_valid, 1),
                                 make_dataset(n_test, 2, "tst"), make_dataset(n_tiny, 3, "tiny"))
@@ -303,7 +313,7 @@ class TensorStateBrain(sb.Brain):
 
 
 def build_tensor_state(brain_cls, **sizes):
-    brain = brain_cls(modules={"model": make_model()}, hparams={},
+    brain = brain_cls(modules={"model": make_model()}, hparams={"ddp_eval": with_seen_excluded()},
                       run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo"},
                       **sizes)
     brain.seen = types.SimpleNamespace(ids=[])

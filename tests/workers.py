@@ -109,14 +109,26 @@ def accumulating_recipe(rank, world_size, ckpt_dir, stream, ddp_eval_opts=None):
     return toy.run_accumulating(brain, stream)
 
 
-def reassigned_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
-    """A Brain that replaces an attribute every batch (kept rank-local, reported)."""
+def running_max_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
+    """A Brain keeping a running maximum (a value computed from its previous one:
+    kept rank-local, reported), and the ids of its last batch (merged)."""
     import logging
 
     class LastBatch(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
+        def on_stage_start(self, stage, epoch=None):
+            super().on_stage_start(stage, epoch)
+            self.best_batch_acc = 0.0
+
         def compute_objectives(self, logits, batch, stage):
             self.last_ids = list(batch.id)
+            accuracy = float((logits.argmax(-1) == batch.label.data[:, 0]).float().mean())
+            self.best_batch_acc = max(self.best_batch_acc, accuracy)
             return super().compute_objectives(logits, batch, stage)
+
+        def on_stage_end(self, stage, stage_loss, epoch=None):
+            super().on_stage_end(stage, stage_loss, epoch)
+            if stage != sb.Stage.TRAIN:
+                self.log[-1]["last_ids"] = self.last_ids
 
     records = []
     handler = logging.Handler()

@@ -1,0 +1,187 @@
+"""Merging every rank's changes of plain attributes into what one process would
+hold (pure functions, the same result on every rank).
+
+Each rank, and each journal piece a resumed stage brings, contributes one
+:class:`~ddp_eval.values.Change` per attribute it changed
+(:meth:`ddp_eval.attributes.AttributeTracker.finish`). Contributions are
+indexed ``0 .. N-1`` for the ranks, then the pieces; at equal global positions
+the lower index comes first.
+
+* ``LAST``: the contribution whose binding has the highest global position
+  wins (its value: the object, or :data:`~ddp_eval.values.ELSEWHERE` while on its
+  rank); a rank's object created once and changed no more counts as a binding.
+* ``FOLD``: every ``+``, ``-`` and ``=`` in global batch order; a value created
+  where there was none (``~``) is an initial addend if anything is added to the
+  attribute, else an assignment.
+* ``APPEND``: entries in global batch order; ``KEYS``: new keys in the order of
+  their first addition, entries merged one by one; ``SUM``: increments summed;
+  ``ACCUMULATE``: increments in global batch order (per-rank totals, over the
+  memory budget, in rank order).
+
+What one process could not hold is not merged: it is returned in ``conflicts``
+by label, with the reason, and every rank keeps its own value. Where the ranks'
+changes cannot tell ``=`` from ``+=`` (a value that did not exist, created by
+one batch on each of several ranks and changed no more), the last batch's value
+is taken, as for ``=``, and the label is returned in ``assumed``.
+
+Example
+-------
+>>> from ddp_eval.values import Change, Kind
+>>> rank0 = {"n": Change(Kind.FOLD, [(0, "+", 2), (2, "+", 1)]), "last": Change(Kind.LAST, None, 2, "b0")}
+>>> rank1 = {"n": Change(Kind.FOLD, [(1, "=", 10)]), "last": Change(Kind.LAST, None, 1, "b1")}
+>>> result = merge_attribute_states([rank0, rank1])
+>>> result.merged["n"], result.merged["last"], result.conflicts
+((<Kind.FOLD: 'fold'>, [('+', 2), ('=', 10), ('+', 1)]), (<Kind.LAST: 'last'>, 'b0'), {})
+"""
+
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from ddp_eval.order import in_global_order
+from ddp_eval.values import Change, Kind
+
+Merged = Tuple[Kind, Any]
+
+
+class MergeResult(NamedTuple):
+    merged: Dict[str, Merged]
+    conflicts: Dict[str, str]  # label -> why it was not merged
+    assumed: Dict[str, str]  # label -> what was assumed to merge it
+
+
+def merge_attribute_states(contributions: Sequence[Mapping[str, Change]]) -> MergeResult:
+    """The merge of every label any contribution changed."""
+    result = MergeResult({}, {}, {})
+    for label in sorted(set().union(*contributions)):
+        merged = merge_changes(label, [c.get(label) for c in contributions], result)
+        if merged is not None:
+            result.merged[label] = merged
+    return result
+
+
+def last_writer(candidates: Sequence[Tuple[int, float]]) -> int:
+    """The index of the winning binding among ``(index, global position)``."""
+    return max(candidates, key=lambda c: (c[1], c[0]))[0]
+
+
+def last_candidates(changes: Mapping[str, Change]) -> Dict[str, float]:
+    """``{label: global position}`` of every change, dict entries included, that
+    a ``LAST`` merge may choose (see :func:`last_writer`)."""
+    found, stack = {}, list(changes.items())
+    while stack:
+        label, change = stack.pop()
+        if change.last is not None:
+            found[label] = change.last
+        if change.kind is Kind.KEYS:
+            stack.extend((f"{label}[{key!r}]", entry) for key, entry in change.data["entries"].items())
+    return found
+
+
+def merge_changes(label: str, changes: Sequence[Optional[Change]], result: "MergeResult") -> Optional[Merged]:
+    """One label's merge, or None (unchanged, or a conflict noted in ``result``)."""
+    present = [(i, c) for i, c in enumerate(changes) if c is not None]
+    if not present:
+        return None
+    kinds = sorted({c.kind.value for _, c in present})
+    if Kind.LAST.value in kinds or (len(present) > 1 and all(c.last is not None for _, c in present)):
+        return _merge_last(label, present, result)
+    if len(kinds) > 1:
+        by_kind = {c.kind.value: i for i, c in present}
+        result.conflicts[label] = "changed as " + " and as ".join(f"{k} (by contribution {by_kind[k]})"
+                                                                  for k in kinds)
+        return None
+    kind = present[0][1].kind
+    data = _MERGERS[kind](label, [c.data for _, c in present], result)
+    return None if data is None else (kind, data)
+
+
+_CREATED_ONCE = ("it did not exist before the stage, and each of several ranks created it in one batch and "
+                 "changed it no more, so ddp_eval cannot tell whether every batch sets it (=) or the first creates "
+                 "it and later ones add to it: it took the last batch's value, as for =; if batches add to it, "
+                 "create it in on_stage_start (or use a collections.defaultdict or Counter)")
+
+
+def _merge_last(label: str, present: List[Tuple[int, Change]], result: "MergeResult") -> Optional[Merged]:
+    in_place = [i for i, c in present if c.last is None]
+    if in_place:
+        bound = [i for i, c in present if c.kind is Kind.LAST]
+        result.conflicts[label] = (f"batches bound new objects to it (contribution {bound[0]}) and changed it in "
+                                   f"place (contribution {in_place[0]}); ddp_eval cannot tell which one process "
+                                   "would have")
+        return None
+    if all(c.kind is not Kind.LAST for _, c in present):
+        result.assumed[label] = _CREATED_ONCE
+    winner = last_writer([(i, c.last) for i, c in present])
+    return Kind.LAST, dict(present)[winner].value
+
+
+def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResult") -> Optional[list]:
+    events = sorted((position, index, n, op, x) for index, events in enumerate(per_contribution)
+                    for n, (position, op, x) in enumerate(events))
+    adds = any(op in "+-" for *_, op, _ in events)
+    if not adds and len({index for index, events in enumerate(per_contribution)
+                         if [op for _, op, _ in events] == ["~"]}) > 1:
+        result.assumed[label] = _CREATED_ONCE
+    return [("+" if adds else "=", x) if op == "~" else (op, x) for *_, op, x in events]
+
+
+def _merge_append(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> list:
+    return in_global_order(per_contribution)
+
+
+def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResult") -> Any:
+    first: Dict[Any, Tuple[float, int]] = {}
+    for index, data in enumerate(per_contribution):
+        positions, sizes, keys = data["added"]
+        offset = 0
+        for position, size in zip(positions, sizes):
+            for key in keys[offset: offset + size]:
+                first[key] = min(first.get(key, (position, index)), (position, index))
+            offset += size
+    order = sorted(first, key=first.get)
+    entry_changes: Dict[Any, Dict[int, Change]] = {}
+    for index, data in enumerate(per_contribution):
+        for key, change in data["entries"].items():
+            entry_changes.setdefault(key, {})[index] = change
+    entries = {}
+    for key, by_index in entry_changes.items():
+        merged = merge_changes(f"{label}[{key!r}]", [by_index.get(i) for i in range(len(per_contribution))],
+                               result)
+        if merged is not None:
+            entries[key] = merged
+    taken: Dict[Any, Any] = {}
+    setters: Dict[Any, int] = {}
+    for index, data in enumerate(per_contribution):
+        for key, value in list(data["taken"].items()) + list(data["replaced"].items()):
+            if key in setters or key in entry_changes:
+                result.conflicts[f"{label}[{key!r}]"] = (
+                    f"set by batches of contributions {setters.get(key, min(entry_changes.get(key, {0: 0})))} and "
+                    f"{index} in a dict of more than 64 entries, whose later entries ddp_eval keeps one value "
+                    "each of; expected each key set once per stage (e.g. one per utterance id)")
+                continue
+            setters[key], taken[key] = index, value
+    return order, entries, taken
+
+
+def _merge_sum(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> Any:
+    total = None
+    for value in per_contribution:
+        total = value if total is None else total + value
+    return total
+
+
+def _merge_accumulate(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> list:
+    if all(data[0] == "batches" for data in per_contribution):
+        pieces = [(p, index, n, inc) for index, (_, positions, incs) in enumerate(per_contribution)
+                  for n, (p, inc) in enumerate(zip(positions, incs))]
+        return [inc for *_, inc in sorted(pieces, key=lambda p: p[:3])]
+    totals = []
+    for data in per_contribution:  # some rank went over budget: one total per rank, in rank order
+        if data[0] == "total":
+            totals.append(data[1])
+        elif len(data[2]):
+            totals.append(_merge_sum(label, list(data[2]), result))
+    return totals
+
+
+_MERGERS = {Kind.FOLD: _merge_fold, Kind.APPEND: _merge_append, Kind.KEYS: _merge_keys, Kind.SUM: _merge_sum,
+            Kind.ACCUMULATE: _merge_accumulate}

@@ -1,0 +1,223 @@
+"""Telling ``n += x`` from ``n = x`` for numbers, by what a batch does to them.
+
+A number has no identity to watch: ``+=`` and ``=`` both bind a new object.
+Before each batch of a sharded stage, the tracker puts a *probe* in place of a
+watched ``int`` or ``float``: an instance of a subclass of it, equal to it.
+Adding to or subtracting from a probe gives another probe that remembers the
+operation; any other use of its value in a computation (a comparison, a
+product, a truth test) is noted. After the batch, :func:`read_changes` looks at
+what the attribute holds:
+
+* the probe itself: unchanged;
+* a probe descended from it: the chain of ``+`` and ``-`` (``n += x``,
+  ``n -= x``, ``n = n + x``), replayed at the merge in global batch order,
+  which gives one process's value bit for bit;
+* another number, from a probe whose value was not otherwise used: ``n = x``;
+* another number, from a probe whose value was used (``max(n, x)``, ``n * 0.9
+  + x``, ``if n > x: n = x``): the new value may depend on the old one, and
+  cannot be merged (the tracker names it).
+
+A probe pickles, copies and prints as the plain number.
+
+Example
+-------
+>>> root = probe(2)
+>>> n = root + 3
+>>> n -= 1
+>>> read_changes(root, n)
+('ops', [('+', 3), ('-', 1)])
+>>> read_changes(root, 7), read_changes(root, root)
+(('set', 7), ('same', None))
+>>> used = probe(1.5)
+>>> read_changes(used, max(used, 4.0))
+('derived', 4.0)
+>>> type(plain(n)) is int and plain(n) == 4
+True
+"""
+
+import operator
+from typing import Any, List, Optional, Tuple
+
+PROBED_TYPES = (int, float)
+
+
+class _Probe:
+    """What the two probe classes share; ``_origin`` is the batch's first probe."""
+
+    def _link(self, origin: "_Probe", parent: Optional["_Probe"], op: Optional[str], operand: Any) -> "_Probe":
+        self._origin, self._parent, self._op, self._operand = origin, parent, op, operand
+        if origin is self:
+            self._used = False  # its value was used by something other than + and -
+            self._results: List[Tuple[Any, "_Probe", str, Any]] = []  # + or - results of another number type
+        return self
+
+    def _derive(self, op: str, operand: Any, result: Any) -> Any:
+        origin = self._origin
+        if type(result) in _CLASSES:
+            return _CLASSES[type(result)](result)._link(origin, self, op, operand)
+        if isinstance(result, (int, float)) and not isinstance(result, bool):  # e.g. numpy.float64
+            origin._results.append((result, self, op, operand))
+        else:
+            origin._used = True  # a tensor or array: not a number any more
+        return result
+
+    def __add__(self, other):
+        return self._derive("+", other, _base(self)(self) + other)
+
+    def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
+        return self._derive("+", other, other + _base(self)(self))
+
+    def __sub__(self, other):
+        return self._derive("-", other, _base(self)(self) - other)
+
+    def __reduce__(self):
+        return _base(self), (_base(self)(self),)
+
+
+def _used(name: str):
+    """A method of the base type that also notes that the probe's value was used."""
+    def method(self, *args):
+        self._origin._used = True
+        return getattr(_base(self), name)(self, *args)
+    method.__name__ = name
+    return method
+
+
+_USES = ("__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
+         "__mod__", "__rmod__", "__pow__", "__rpow__", "__divmod__", "__neg__", "__abs__", "__lt__", "__le__",
+         "__gt__", "__ge__", "__eq__", "__ne__", "__bool__", "__round__", "__trunc__", "__floor__", "__ceil__")
+
+
+def _probe_class(base: type) -> type:
+    namespace = {name: _used(name) for name in _USES if hasattr(base, name)}
+    namespace["__hash__"] = base.__hash__
+    return type(f"{base.__name__.capitalize()}Probe", (_Probe, base), namespace)
+
+
+IntProbe, FloatProbe = _probe_class(int), _probe_class(float)
+_CLASSES = {int: IntProbe, float: FloatProbe}
+
+
+def _base(value: Any) -> type:
+    return float if isinstance(value, float) else int
+
+
+def probe(value: Any) -> Any:
+    """A probe equal to ``value`` (an ``int`` or ``float``, not a subclass)."""
+    root = _CLASSES[type(value)](value)
+    return root._link(root, None, None, None)
+
+
+def is_probe(value: Any) -> bool:
+    return isinstance(value, _Probe)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as a plain ``int`` or ``float`` if it is a probe; else itself."""
+    return _base(value)(value) if isinstance(value, _Probe) else value
+
+
+def _chain(node: Any, root: _Probe) -> Optional[List[Tuple[str, Any]]]:
+    ops = []
+    while node is not root:
+        if not isinstance(node, _Probe) or node._origin is not root or node._parent is None:
+            return None
+        ops.append((node._op, plain(node._operand)))
+        node = node._parent
+    return ops[::-1]
+
+
+def read_changes(root: _Probe, value: Any) -> Tuple[str, Any]:
+    """What a batch did to a number, from the probe put in place before it
+    (``root``) and what the attribute holds after it (``value``):
+    ``("same", None)``, ``("ops", [(op, operand), ...])``, ``("set", number)``
+    or ``("derived", number)``."""
+    if value is root:
+        return "same", None
+    ops = _chain(value, root)
+    if ops is None:
+        for result, parent, op, operand in root._results:  # the last step made a non-wrappable number
+            if result is value:
+                before = _chain(parent, root)
+                ops = None if before is None else before + [(op, plain(operand))]
+                break
+    if ops is not None:
+        return "ops", ops
+    return ("derived" if root._used else "set"), plain(value)
+
+
+_APPLY = {"+": operator.add, "-": operator.sub}
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()  # a number that did not exist yet
+
+
+def replay(start: Any, events: List[Tuple[str, Any]]) -> Any:
+    """Applies ``("+", x)``, ``("-", x)``, ``("=", v)`` and ``("^", v)`` (an
+    initial value: taken only while there is none, :data:`UNSET`) to ``start``
+    in order.
+
+    Example
+    -------
+    >>> replay(1.0, [("+", 0.5), ("=", 10), ("-", 2)])
+    8
+    >>> replay(UNSET, [("^", 0), ("+", 1), ("^", 0), ("+", 1)])
+    2
+    """
+    value = start
+    for op, operand in events:
+        if op == "^":
+            value = operand if value is UNSET else value
+        elif op == "=":
+            value = operand
+        else:
+            value = _APPLY[op](0 if value is UNSET else value, operand)
+    return value
+
+
+class Factory:
+    """Stands in for a ``defaultdict``'s ``default_factory`` during a stage: a
+    number it makes is handed out as a probe, and every object it makes is
+    remembered, so that a new entry is known to start from the factory's value
+    (``d[k] += 1``, ``d[k].append(x)``), not from an assignment.
+
+    Example
+    -------
+    >>> import collections
+    >>> counts = collections.defaultdict(int)
+    >>> factory = counts.default_factory = Factory(counts.default_factory)
+    >>> counts["a"] += 2
+    >>> factory.origin(counts["a"])
+    (0, [('+', 2)])
+    """
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.made: dict = {}  # id -> (object, probe or None), of this batch
+
+    def __call__(self):
+        value = self.original()
+        root = probe(value) if type(value) in PROBED_TYPES else None
+        handed = value if root is None else root
+        self.made[id(handed)] = (handed, root)
+        return handed
+
+    def origin(self, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
+        """``(factory value, ops since)`` if the factory made ``value`` (or a
+        number ``value`` descends from), else None."""
+        origin = value._origin if isinstance(value, _Probe) else value
+        made = self.made.get(id(origin))
+        if made is None or made[0] is not origin:
+            return None
+        if made[1] is None:
+            return value, []
+        what, data = read_changes(made[1], value)
+        return (plain(made[1]), data if what == "ops" else []) if what in ("ops", "same") else None

@@ -1,0 +1,152 @@
+"""What the stage-end exchange tells every rank, and the messages that name
+what a sharded stage could not make exact.
+
+Every rank reads the same per-rank reports, so every rank draws the same
+conclusions: which rank's object a ``LAST`` merge takes, and what to name.
+Messages are warnings on rank 0, or, with ``ddp_eval: on_unmergeable_attribute:
+error``, a :class:`~ddp_eval.errors.ConfigError` on every rank.
+
+Example
+-------
+>>> reports = [{"last": {"x": (3.0, None)}, "piece_last": [], "batches": 2},
+...            {"last": {"x": (5.0, None)}, "piece_last": [], "batches": 2}]
+>>> StageReport("TEST", reports, "warn").winners
+{'x': 1}
+"""
+
+import logging
+from typing import Any, Dict, List, Mapping, Sequence
+
+from ddp_eval import dist
+from ddp_eval.attribute_merge import last_writer
+from ddp_eval.effects import differing_modules, main_only
+from ddp_eval.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class StageReport:
+    """Conclusions from every rank's stage-end report (see ``ShardedStage._collect``)."""
+
+    def __init__(self, stage: str, per_rank: Sequence[Mapping[str, Any]], action: str) -> None:
+        self.stage, self.per_rank, self.action = stage, per_rank, action
+        self.layouts = [r.get("layout", {}) for r in per_rank]
+        self.stream_read = [r.get("stream") for r in per_rank]
+        self.winners, self.unsendable = self._winners()
+        modules = [r.get("modules", ({}, {})) for r in per_rank]
+        self.modules = differing_modules([m[0] for m in modules], [m[1] for m in modules]) if modules[0][1] else {}
+
+    def _winners(self):
+        candidates: Dict[str, List] = {}
+        for rank, report in enumerate(self.per_rank):
+            for path, (position, error) in report["last"].items():
+                candidates.setdefault(path, []).append((rank, position, error))
+        pieces = self.per_rank[0]["piece_last"]
+        for n, piece in enumerate(pieces):
+            for path, position in piece.items():
+                candidates.setdefault(path, []).append((len(self.per_rank) + n, position, None))
+        winners, unsendable = {}, {}
+        for path, found in candidates.items():
+            winner = last_writer([(index, position) for index, position, _ in found])
+            winners[path] = winner
+            error = next(e for i, _, e in found if i == winner)
+            if error is not None:
+                unsendable[path] = f"the value of the last batch that set it (on rank {winner}) cannot be sent: {error}"
+        return winners, unsendable
+
+    def raise_or_warn(self) -> None:
+        """Names attributes that changed in ways no merge can follow, and state
+        outside the Brain that changed (modules named by :meth:`warn_effects` left out)."""
+        name = self.stage.lower()
+        messages = []
+        found = _first_seen([r.get("unmergeable", {}) for r in self.per_rank])
+        if found:
+            messages.append(
+                f"ddp_eval: at the end of the sharded {self.stage} stage, attributes changed "
+                f"in a way that cannot be merged across ranks, so each rank holds only its own "
+                f"batches' values: {found}. Expected lists that only grow, dicts that gain keys "
+                "or change entries, numbers changed by += or set by =, tensors and arrays changed in "
+                "place, or objects bound anew. Compute the value in on_stage_end from merged state, "
+                f"or list the attribute in ddp_eval: attributes_exclude (silences this), or set shard_{name}: false.")
+        outside = [{label: why for label, why in r.get("outside", {}).items()
+                    if not any(label == m or label.startswith(m + ".") for m in self.modules)}
+                   for r in self.per_rank]
+        found = _first_seen(outside)
+        if found:
+            messages.append(
+                f"ddp_eval: during the sharded {self.stage} stage, state outside the Brain "
+                f"changed, so each rank holds only its own batches' share of it: {found}. "
+                "Expected state a stage accumulates on the Brain. To merge it like a Brain "
+                "attribute, list its path in ddp_eval: attributes_include (e.g. "
+                f"[hparams.aligner.align_dict]); or set shard_{name}: false; or list the path "
+                "in ddp_eval: attributes_exclude if it is rank-local on purpose.")
+        if self.unsendable:
+            raise ConfigError(f"ddp_eval: at the end of the sharded {self.stage} stage, "
+                              + "; ".join(f"'{p}': {why}" for p, why in sorted(self.unsendable.items()))
+                              + ". Keep picklable values in attributes a batch sets, or list the attribute "
+                              "in ddp_eval: attributes_exclude.")
+        self._emit(messages)
+
+    def conflicts(self, conflicts: Mapping[str, str], assumed: Mapping[str, str]) -> None:
+        """Names what the merge found that one process could not hold, and what it assumed."""
+        messages = []
+        if conflicts:
+            messages.append(f"ddp_eval: at the end of the sharded {self.stage} stage, these attributes could not "
+                            "be merged, so each rank keeps its own value: "
+                            + "; ".join(f"'{label}': {why}" for label, why in sorted(conflicts.items())) + ".")
+        if assumed:
+            messages.append(f"ddp_eval: at the end of the sharded {self.stage} stage, "
+                            + "; ".join(f"'{label}': {why}" for label, why in sorted(assumed.items())) + ".")
+        self._emit(messages)
+
+    def warn_effects(self) -> None:
+        """Main-process-only per-batch effects, modules whose state differs across
+        ranks, files opened for appending."""
+        messages = []
+        changed: Dict[str, List[int]] = {}
+        for rank, report in enumerate(self.per_rank):
+            for label, count in report.get("changed", {}).items():
+                changed.setdefault(label, [0] * len(self.per_rank))[rank] = count
+        batches = [r.get("batches", 0) for r in self.per_rank]
+        only = main_only(changed, batches)
+        if only:
+            messages.append(
+                f"ddp_eval: during the sharded {self.stage} stage, {only} changed in every batch rank 0 "
+                f"evaluated ({batches[0]}) and in none of the {sum(batches[1:])} batches of the other ranks: a "
+                "per-batch effect under `if if_main_process():` (as BEST-RQ appends its accuracy) then holds rank "
+                "0's batches only. Remove the guard in the batch code (the merge gives every rank one "
+                "process's values; keep it for writing files in on_stage_end), or set "
+                f"shard_{self.stage.lower()}: false.")
+        if self.modules:
+            messages.append(
+                f"ddp_eval: after the sharded {self.stage} stage, modules differ across ranks: "
+                + "; ".join(f"'{m}': {why}" for m, why in sorted(self.modules.items()))
+                + ". A module that learns statistics when called (InputNormalization, BatchNorm in train "
+                "mode) should be in the Brain's modules, which SpeechBrain puts in eval mode for VALID and "
+                "TEST, or be called in eval mode there.")
+        appends = sorted({p for r in self.per_rank for p in r.get("appends", [])})
+        if appends:
+            messages.append(
+                f"ddp_eval: during the sharded {self.stage} stage, batches appended to {appends}: each rank "
+                "appended its own batches, interleaved in no fixed order. Open such files as "
+                "self.stage_output(path) in the batch code: each rank then appends to a part of its own, "
+                "and at stage end rank 0 appends them to the file in one process's batch order.")
+        self._emit(messages)
+
+    def _emit(self, messages: List[str]) -> None:
+        if not messages:
+            return
+        if self.action == "error":
+            raise ConfigError(" ".join(messages))
+        if dist.get_rank() == 0:
+            for message in messages:
+                logger.warning(message)
+
+
+def _first_seen(per_rank: List[Dict[str, str]]) -> str:
+    """``'name': why (first seen on rank r); ...`` over the ranks' reports."""
+    found: Dict[str, str] = {}
+    for rank, report in enumerate(per_rank):
+        for name, why in report.items():
+            found.setdefault(name, f"{why} (first seen on rank {rank})")
+    return "; ".join(f"'{name}': {why}" for name, why in sorted(found.items()))

@@ -1,0 +1,130 @@
+"""The vocabulary of attribute tracking: how a change is merged, what one
+rank's change carries, reading and binding attributes, and the memory budget
+for copies of tensors and arrays.
+
+Example
+-------
+>>> Kind.APPEND == "append", Change(Kind.LAST, None, last=3.0, value=ELSEWHERE).last
+(True, 3.0)
+>>> get_value({"a": 1}, "b") is ABSENT
+True
+"""
+
+import enum
+from typing import Any, Mapping, NamedTuple, Optional
+
+import torch
+
+try:
+    import numpy
+except ImportError:  # pragma: no cover - torch installs numpy
+    numpy = None
+
+class _Sentinel:
+    """A named marker that pickles as itself (by reference to this module)."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name, self.text = name, text
+
+    def __repr__(self) -> str:
+        return f"<{self.text}>"
+
+    def __reduce__(self) -> str:
+        return self.name
+
+
+ABSENT = _Sentinel("ABSENT", "absent")  # an attribute or entry that does not exist
+ELSEWHERE = _Sentinel("ELSEWHERE", "sent by the rank whose value won")
+SMALL_DICT = 64  # entries; a larger dict is watched by its new keys only
+MAX_DEPTH = 2  # dict entries are watched two levels deep (self.stats[stage]["loss"])
+
+
+class Kind(str, enum.Enum):
+    """How a change is merged (the table of :mod:`ddp_eval.attributes`)."""
+
+    APPEND = "append"
+    KEYS = "keys"
+    FOLD = "fold"
+    SUM = "sum"
+    ACCUMULATE = "accumulate"
+    LAST = "last"
+
+
+class Change(NamedTuple):
+    """What one rank's batches did to one attribute during a stage.
+
+    ``data`` depends on ``kind`` (None for ``LAST``); ``last`` is the global
+    position of the batch that last bound a new object to it, if this change
+    can be read as such (a ``LAST`` change, or an object created once and
+    changed no more); ``value`` is that object, or :data:`ELSEWHERE` while it
+    stays on its rank (sent only if it is the one a merge takes).
+    """
+
+    kind: Kind
+    data: Any
+    last: Optional[float] = None
+    value: Any = None
+
+
+def is_number(value: Any) -> bool:
+    """int or float, not bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def get_value(owner: Any, name: Any) -> Any:
+    """``owner.name`` (or ``owner[name]`` for a mapping); ``ABSENT`` if missing."""
+    if isinstance(owner, Mapping):
+        return dict.get(owner, name, ABSENT) if isinstance(owner, dict) else owner.get(name, ABSENT)
+    own = getattr(owner, "__dict__", None)
+    if own is not None and name in own:
+        return own[name]
+    return getattr(owner, name, ABSENT)
+
+
+def set_value(owner: Any, name: Any, value: Any) -> None:
+    """Binds ``owner.name`` (or ``owner[name]``) to ``value``."""
+    if isinstance(owner, dict):
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def cpu_copy(value: Any) -> Any:
+    """A copy of a tensor (on the CPU) or of a NumPy array."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value.copy()
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of a tensor's or array's elements."""
+    return value.nelement() * value.element_size() if isinstance(value, torch.Tensor) else value.nbytes
+
+
+def is_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array."""
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+def exact_dtype(value: Any) -> bool:
+    """Whether increments of this tensor or array add up exactly (integers, bools)."""
+    if isinstance(value, torch.Tensor):
+        return not (value.is_floating_point() or value.is_complex())
+    return value.dtype.kind in "biu"
+
+
+class Budget:
+    """Memory for copies of tensors and arrays on this rank (``attribute_memory_mb``)."""
+
+    def __init__(self, megabytes: float) -> None:
+        self.total, self.used = megabytes * 2**20, 0
+
+    def reserve(self, nbytes: int) -> bool:
+        """Takes ``nbytes``; False (nothing taken) if they do not fit."""
+        if self.used + nbytes > self.total:
+            return False
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes

@@ -1,0 +1,480 @@
+"""In-place changes of one object held by a watched attribute, one watch per kind.
+
+A :class:`~ddp_eval.attributes.Slot` follows an attribute's identity; its watch
+follows what batches do to the object it holds without rebinding it: a list
+that grows, a dict whose keys and entries change, a tensor whose ``_version``
+moves, a NumPy array whose contents change. Each watch records per batch only
+what that batch changed (lengths, increments), gives this rank's state at
+stage end or for a journal piece, and writes a merged state back.
+
+A watch created for an object that a batch bound where there was none
+(``created_at``) counts what that object holds as that batch's change.
+
+Example
+-------
+>>> import types
+>>> from ddp_eval.attributes import Slot
+>>> from ddp_eval.values import Budget
+>>> holder = types.SimpleNamespace(ids=["old"])
+>>> slot = Slot("ids", holder, "ids", Budget(1))
+>>> holder.ids += ["u1", "u2"]
+>>> slot.observe(0)
+>>> slot.watch.state([7.0, float("inf")], 0, False)
+([7.0], [2], ['u1', 'u2'])
+"""
+
+import array
+import collections
+import itertools
+import logging
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ddp_eval import sb_compat
+from ddp_eval.order import as_chunks, growth_since
+from ddp_eval.probes import PROBED_TYPES, Factory, plain
+from ddp_eval.values import (
+    ABSENT,
+    MAX_DEPTH,
+    SMALL_DICT,
+    Budget,
+    Kind,
+    cpu_copy,
+    exact_dtype,
+    get_value,
+    is_array,
+    is_number,
+    nbytes,
+    numpy,
+    set_value,
+)
+
+logger = logging.getLogger(__name__)
+_warned_over_budget = set()  # labels warned about once per process
+
+
+class Watch:
+    """No in-place changes seen (numbers, strings, tuples, other objects)."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
+        self.slot, self.obj = slot, obj
+        self.last_change: int = -1  # the newest batch that changed the object in place
+        self.marker = _marker(obj)
+
+    def before_batch(self) -> None:
+        pass
+
+    def observe(self, batch: int, value: Any) -> bool:
+        return False
+
+    def release(self) -> None:
+        """Takes away what the watch put in the user's objects (a dict's factory)."""
+
+    def changes_after(self, batch: int) -> bool:
+        return self.last_change > batch
+
+    def kind(self) -> Optional[Kind]:
+        return None
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        return None
+
+    def finish(self) -> None:
+        """At stage end: an object of another kind whose own attributes changed is named."""
+        if self.marker is not None and _marker(self.obj) != self.marker:
+            self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place; ddp_eval merges "
+                           "lists, dicts, numbers, tensors and NumPy arrays; keep the state in one of those")
+
+    def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
+        raise AssertionError(f"no in-place merge for {kind}")  # a Slot applies FOLD and LAST itself
+
+
+def _marker(obj: Any) -> Any:
+    """Cheap one-level view of an object's own state (sets, plain objects); None for
+    what cannot change or is watched otherwise."""
+    if isinstance(obj, (set, frozenset)):
+        return ("set", len(obj))
+    state = getattr(obj, "__dict__", None)
+    if state is None or isinstance(obj, (type, torch.nn.Module)) or callable(obj) or sb_compat.holds_scratch_state(obj):
+        return None
+    return tuple((k, id(v), len(v) if isinstance(v, (list, dict, set)) else None,
+                  v._version if isinstance(v, torch.Tensor) else None, v if is_number(v) else None)
+                 for k, v in sorted(state.items(), key=lambda kv: str(kv[0])))
+
+
+class ListWatch(Watch):
+    """A list that only grows: its new entries, cut per batch (``APPEND``)."""
+
+    def __init__(self, slot: Any, obj: list, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.marker = None
+        self.start_len = 0 if created_at is not None else len(obj)
+        self.length = self.start_len
+        self.changes = array.array("q")  # batch, length after it, batch, length, ...
+        if created_at is not None and obj:
+            self.observe(created_at, obj)
+
+    def observe(self, batch: int, value: list) -> bool:
+        if len(value) < self.length:
+            self.slot.fail("entries were removed from the list")
+        elif len(value) > self.length:
+            self.length = len(value)
+            self.changes.extend((batch, self.length))
+            self.last_change = batch
+            return True
+        return False
+
+    def kind(self) -> Optional[Kind]:
+        return Kind.APPEND if self.changes else None
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        batches, bounds = growth_since(self.changes, from_batch, self.start_len)
+        if not batches:
+            return None
+        return as_chunks(positions, batches, bounds, [plain(x) for x in self.obj[bounds[0]: bounds[-1]]])
+
+    def apply(self, kind: Kind, items: list, last_value: Callable[[], Any]) -> None:
+        current = get_value(self.slot.owner, self.slot.name)
+        if not isinstance(current, list):
+            current = []
+            set_value(self.slot.owner, self.slot.name, current)
+        del current[self.start_len if current is self.obj else 0:]
+        current.extend(items)
+
+
+class DictWatch(Watch):
+    """A dict: keys it gains, in insertion order, and what batches do to its
+    entries, each watched as an attribute of its own (``KEYS``). Entries past
+    the first :data:`~ddp_eval.values.SMALL_DICT` are taken as they are at stage
+    end (per-utterance results, set once); entries present at stage start and
+    not watched are checked for a new value once, at stage end."""
+
+    def __init__(self, slot: Any, obj: dict, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.marker = None
+        self.start_len = 0 if created_at is not None else len(obj)
+        self.length = self.start_len
+        self.added = array.array("q")  # batch, length after it, ...: new keys, as a list of keys
+        self.room = SMALL_DICT if slot.depth < MAX_DEPTH else 0  # entries watched one by one
+        keys = list(itertools.islice(obj, self.room)) if created_at is None else []
+        self.entries = {key: self._entry(key, obj[key]) for key in keys}
+        self.unwatched = [(key, obj[key]) for key in itertools.islice(obj, self.room, None)
+                          ] if created_at is None else []  # references, compared at stage end
+        self.factory = None
+        if isinstance(obj, collections.defaultdict) and obj.default_factory is not None:
+            self.factory = obj.default_factory = Factory(obj.default_factory)
+        if created_at is not None and obj:
+            self.observe(created_at, obj)
+
+    def _entry(self, key: Any, start: Any) -> Any:
+        return type(self.slot)(f"{self.slot.label}[{key!r}]", self.obj, key, self.slot.budget, start=start,
+                               depth=self.slot.depth + 1)
+
+    def before_batch(self) -> None:
+        if self.factory is not None:
+            self.factory.made.clear()
+        for entry in self.entries.values():
+            entry.before_batch()
+
+    def release(self) -> None:
+        if self.factory is not None and self.obj.default_factory is self.factory:
+            self.obj.default_factory = self.factory.original
+        for entry in self.entries.values():
+            entry.release()
+
+    def observe(self, batch: int, value: dict) -> bool:
+        changed, adopted = False, set()
+        if len(value) < self.length:
+            self.slot.fail("keys were removed from the dict")
+            return True
+        if len(value) > self.length:
+            new = list(itertools.islice(reversed(value), len(value) - self.length))[::-1]
+            self.length = len(value)
+            self.added.extend((batch, self.length))
+            for key in new[: max(self.room - len(self.entries), 0)]:
+                entry = self.entries[key] = self._entry(key, ABSENT)
+                made = self._made(value[key])
+                if made is not None:
+                    entry.adopt(batch, value[key], *made)
+                    adopted.add(key)
+            changed = True
+        for key, entry in self.entries.items():
+            if key in adopted:
+                continue
+            before = entry.changed_batches
+            entry.observe(batch)
+            if entry.why is not None:
+                self.slot.fail(f"its entry {key!r}: {entry.why}")
+                return True
+            changed |= entry.changed_batches != before
+        if changed:
+            self.last_change = batch
+        return changed
+
+    def _made(self, value: Any) -> Any:
+        """``(initial value, ops)`` of a new entry its defaultdict's factory made, or
+        of a new count of a Counter (which counts from 0); else None."""
+        if self.factory is not None:
+            return self.factory.origin(value)
+        if isinstance(self.obj, collections.Counter) and type(value) in PROBED_TYPES:
+            return 0, [("+", value)]
+        return None
+
+    def kind(self) -> Optional[Kind]:
+        return Kind.KEYS if self.last_change >= 0 or self._replaced() else None
+
+    def _replaced(self) -> Dict[Any, Any]:
+        return {key: self.obj[key] for key, start in self.unwatched if dict.get(self.obj, key, ABSENT) is not start}
+
+    def finish(self) -> None:
+        self.release()
+        for key, entry in self.entries.items():
+            entry.watch.finish()
+            if entry.why is not None:
+                self.slot.fail(f"its entry {key!r}: {entry.why}")
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        batches, bounds = growth_since(self.added, from_batch, self.start_len)
+        keys = list(itertools.islice(self.obj, bounds[0], bounds[-1])) if batches else []
+        entries = {}
+        for key, entry in self.entries.items():
+            change = entry.change(positions, from_batch, piece)
+            if change is not None:
+                entries[key] = change
+        taken = {key: plain(self.obj[key]) for key in keys if key not in self.entries}
+        replaced = {} if piece else self._replaced()
+        if not (keys or entries or replaced):
+            return None
+        return {"added": as_chunks(positions, batches, bounds, keys), "entries": entries,
+                "taken": taken, "replaced": replaced}
+
+    def apply(self, kind: Kind, merged: Any, last_value: Callable[[str], Any]) -> None:
+        """``merged``: the new keys in merged order, the merged changes of watched
+        entries, and the values of the others (new, or replaced at start keys)."""
+        order, entries, taken = merged
+        current = self.obj
+        held = {key: current.pop(key) for key in list(itertools.islice(current, self.start_len, None))}
+        for key in order:  # new keys in one process's insertion order; this rank's objects kept
+            if key in held or key in taken or key in entries:
+                current[key] = held[key] if key in held else taken.get(key)
+        for key, value in taken.items():
+            if key not in held:
+                current[key] = value
+        for key, (entry_kind, data) in entries.items():
+            entry = self.entries.get(key) or self._entry(key, ABSENT)
+            entry.apply(entry_kind, data, lambda label=entry.label: last_value(label))
+
+
+class TensorWatch(Watch):
+    """A tensor of fixed shape changed in place (``_version``): integers as one
+    increment per rank (``SUM``), floats as per-batch increments within the
+    memory budget, else one total per rank (``ACCUMULATE``)."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.marker = None
+        self.spec = (obj.shape, obj.dtype)
+        self.version = obj._version
+        self.base = None  # the start value on the CPU; None with a zero start
+        self.zero_start = created_at is not None or not _any(obj)
+        self.previous = None  # the value after the previous change (float increments)
+        self.batches: List[int] = []
+        self.increments: Optional[bytearray] = bytearray()
+        self.totals = False  # over budget: one total per rank
+        self.mark: Any = None  # the value at the previous journal piece
+        self.changed = False
+        if not self.zero_start and slot.budget.reserve(nbytes(obj)):
+            self.base = cpu_copy(obj)
+        if created_at is not None:
+            self._changed(created_at, obj)
+
+    def observe(self, batch: int, value: Any) -> bool:
+        if value._version == self.version:
+            return False  # unchanged: no copy, no comparison
+        if (value.shape, value.dtype) != self.spec:
+            self.slot.fail("a tensor that changed shape or dtype in place")
+            return True
+        if self.base is None and not self.zero_start:
+            mb = nbytes(value) / 2**20
+            self.slot.fail(f"a {mb:.0f} MB tensor changed in place, and ddp_eval: attribute_memory_mb "
+                           f"({self.slot.budget.total / 2**20:g} MB) had no room for its start copy; raise it, "
+                           "or list the attribute in attributes_exclude")
+            return True
+        self.version = value._version
+        self._changed(batch, value)
+        return True
+
+    def _changed(self, batch: int, value: Any) -> None:
+        self.changed, self.last_change = True, batch
+        if exact_dtype(value) or self.totals:
+            return  # one increment per rank, taken at stage end
+        current = value.detach().cpu()
+        before = self.previous if self.previous is not None else self.base
+        increment = current.clone() if before is None else current - before
+        if not self.slot.budget.reserve(nbytes(increment)):
+            self._switch_to_totals()
+            return
+        self.increments += increment.contiguous().reshape(-1).view(torch.uint8).numpy().data
+        self.batches.append(batch)
+        if self.previous is None:
+            self.previous = cpu_copy(value)
+        else:
+            self.previous.copy_(current)
+
+    def _switch_to_totals(self) -> None:
+        self.slot.budget.release(len(self.increments))
+        self.increments, self.previous, self.totals = None, None, True
+        _warn_over_budget(self.slot.label, self.slot.budget)
+
+    def kind(self) -> Optional[Kind]:
+        if not self.changed:
+            return None
+        return Kind.SUM if exact_dtype(self.obj) else Kind.ACCUMULATE
+
+    def _stacked(self, first: int) -> torch.Tensor:
+        count = len(self.batches) - first
+        row = len(self.increments) // max(len(self.batches), 1)
+        part = self.increments[first * row:]
+        flat = torch.frombuffer(part, dtype=torch.uint8) if part else torch.empty(0, dtype=torch.uint8)
+        return flat.view(self.spec[1]).reshape(count, *self.spec[0]).clone()
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        kind = self.kind()
+        if kind is Kind.SUM or self.totals:
+            end = cpu_copy(self.obj)
+            before = self.mark if piece and self.mark is not None else self.base
+            if piece:
+                self.mark = end
+            delta = end if before is None else end - before
+            return delta if kind is Kind.SUM else ("total", delta)
+        if piece:
+            self.mark = cpu_copy(self.obj)  # where a later total (over budget) starts
+        first = next((i for i, b in enumerate(self.batches) if b >= from_batch), len(self.batches))
+        if piece and first == len(self.batches):
+            return None
+        return ("batches", [positions[b] for b in self.batches[first:]], self._stacked(first))
+
+    def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
+        value = self.base if self.base is not None else (None if self.zero_start else cpu_copy(self.obj))
+        for increment in (data if kind is Kind.ACCUMULATE else [data]):
+            value = increment.clone() if value is None else value + increment
+        current = get_value(self.slot.owner, self.slot.name)
+        if isinstance(current, torch.Tensor) and (current.shape, current.dtype) == (value.shape, value.dtype):
+            with torch.no_grad():
+                current.copy_(value)  # in place: other holders of the tensor see it too
+        else:
+            set_value(self.slot.owner, self.slot.name, value)
+
+
+def _warn_over_budget(label: str, budget: Budget) -> None:
+    """Once per process and attribute: per-batch increments no longer fit."""
+    if label not in _warned_over_budget:
+        _warned_over_budget.add(label)
+        logger.warning(
+            f"ddp_eval: the per-batch increments of float tensor attribute '{label}' "
+            f"exceed ddp_eval: attribute_memory_mb ({budget.total / 2**20:g} MB) on "
+            "this rank; from now on each rank sends one total, added in rank order. The "
+            "merged value then equals one process up to about 2 (n + N) eps max|value| "
+            "(n batches, N ranks, eps = 2**-53 for float64, 2**-24 for float32) instead of "
+            "2 n eps max|value|. Raise attribute_memory_mb to keep per-batch order."
+        )
+
+
+def _any(tensor: torch.Tensor) -> bool:
+    try:
+        return bool(tensor.detach().any())
+    except RuntimeError:  # a dtype without any()
+        return True
+
+
+class ArrayWatch(Watch):
+    """A NumPy array changed in place (``+=`` of a confusion matrix): found by
+    comparing with a copy after each batch; merged as tensors are (``SUM`` for
+    integers and bools, ``ACCUMULATE`` for floats)."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.marker = None
+        self.spec = (obj.shape, obj.dtype)
+        self.zero_start = created_at is not None
+        self.base = numpy.zeros_like(obj) if self.zero_start else None
+        self.crc = None
+        if not self.zero_start:
+            if slot.budget.reserve(obj.nbytes):
+                self.base = obj.copy()
+            else:
+                self.crc = zlib.crc32(numpy.ascontiguousarray(obj).data)
+        self.previous = self.base
+        self.batches: List[int] = []
+        self.increments: List[Any] = []
+        if created_at is not None:
+            self.observe(created_at, obj)
+
+    def observe(self, batch: int, value: Any) -> bool:
+        if self.previous is None or (value.shape, value.dtype) != self.spec:
+            if (value.shape, value.dtype) != self.spec:
+                self.slot.fail("a NumPy array that changed shape or dtype in place")
+                return True
+            return False  # no copy to compare with: checked at stage end
+        if numpy.array_equal(value, self.previous):
+            return False
+        if not exact_dtype(value):
+            increment = value - self.previous
+            if self.slot.budget.reserve(increment.nbytes):
+                self.increments.append(increment)
+                self.batches.append(batch)
+            else:
+                self.slot.fail("a NumPy array whose per-batch increments exceed ddp_eval: attribute_memory_mb; "
+                               "raise it, or keep the array as a torch tensor")
+                return True
+        self.previous = value.copy() if self.previous is self.base else self.previous
+        numpy.copyto(self.previous, value)
+        self.last_change = batch
+        return True
+
+    def finish(self) -> None:
+        if self.crc is not None and zlib.crc32(numpy.ascontiguousarray(self.obj).data) != self.crc:
+            self.slot.fail(f"a {self.obj.nbytes / 2**20:.0f} MB NumPy array changed in place, and ddp_eval: "
+                           "attribute_memory_mb had no room for its start copy; raise it")
+
+    def kind(self) -> Optional[Kind]:
+        if self.last_change < 0:
+            return None
+        return Kind.SUM if exact_dtype(self.obj) else Kind.ACCUMULATE
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        if exact_dtype(self.obj):
+            before = getattr(self, "mark", None) if piece else None
+            before = self.base if before is None else before
+            if piece:
+                self.mark = self.obj.copy()
+            return self.obj - before
+        first = next((i for i, b in enumerate(self.batches) if b >= from_batch), len(self.batches))
+        if piece and first == len(self.batches):
+            return None
+        return ("batches", [positions[b] for b in self.batches[first:]], self.increments[first:])
+
+    def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
+        value = self.base.copy()
+        for increment in (data if kind is Kind.ACCUMULATE else [data]):
+            value = value + numpy.asarray(increment)
+        current = get_value(self.slot.owner, self.slot.name)
+        if is_array(current) and current.shape == value.shape and current.dtype == value.dtype:
+            numpy.copyto(current, value)
+        else:
+            set_value(self.slot.owner, self.slot.name, value.astype(self.spec[1], copy=False))
+
+
+def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None) -> Watch:
+    """The watch of ``obj``'s in-place changes, by its kind."""
+    if isinstance(obj, list):
+        return ListWatch(slot, obj, created_at)
+    if isinstance(obj, dict):
+        return DictWatch(slot, obj, created_at)
+    if isinstance(obj, torch.Tensor):
+        return TensorWatch(slot, obj, created_at)
+    if is_array(obj):
+        return ArrayWatch(slot, obj, created_at)
+    return Watch(slot, obj)

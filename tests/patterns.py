@@ -1,0 +1,316 @@
+"""Recipes written as SpeechBrain's own write their evaluation (issue 20), each
+run by plain SpeechBrain in one process and converted with the mixin on every
+rank, returning what ``on_stage_end`` saw.
+
+* ``last_values``: HiFi-GAN / Tacotron 2: ``self.last_batch``, ``self.last_loss_stats[stage]``
+  (checkpoint meta with ``min_keys=["loss"]``), ``self.last_attn``, a number set every batch;
+  with counters in a ``defaultdict(int)`` and a ``Counter``.
+* ``containers``: the k2 CTC recipe's ``defaultdict(ErrorRateStats)`` per decoding method,
+  a plain dict of ErrorRateStats filled lazily, ``BLEUStats``, a DWER-like MetricStats
+  subclass nesting two ErrorRateStats, a MetricStats on a local closure (UrbanSound8k).
+* ``arrays``: ESC50 / UrbanSound8k confusion matrices ``np.zeros(..., dtype=int)`` ``+=``,
+  and a float array.
+* ``loaders``: BEST-RQ's VALID ``SaveableDataLoader`` and a ``LoopedLoader`` for TEST,
+  built by the recipe and passed to ``fit``/``evaluate``; also under ``--debug``.
+* ``files``: SLURP's ``predictions.jsonl`` appended every TEST batch through
+  ``self.stage_output``; an EDER-like file appended without it; BEST-RQ's accuracy
+  appended under ``if if_main_process():``.
+* ``modules``: InputNormalization called through hparams, not in ``modules`` (six recipes).
+
+VALID: 23 utterances at batch 3 (8 batches), 2 epochs; TEST: 4 at batch 2 (2 batches:
+at 3 ranks, rank 2 evaluates no TEST batch).
+"""
+
+import collections
+import functools
+import importlib.util
+import io
+import json
+import logging
+import os
+import pathlib
+import sys
+
+import numpy as np
+import speechbrain as sb
+import torch
+from speechbrain.dataio.batch import PaddedBatch
+from speechbrain.dataio.dataloader import LoopedLoader, SaveableDataLoader
+from speechbrain.processing.features import InputNormalization
+from speechbrain.utils.distributed import if_main_process
+from speechbrain.utils.metric_stats import ErrorRateStats, MetricStats
+from torch.utils.data import DataLoader
+
+import ddp_eval
+from tests import toy
+
+PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules")
+
+
+def _bleu_stats():
+    """SpeechBrain's BLEUStats. In 1.1 its package imports flair, which the recipes
+    using BLEU do not need: the module is loaded from its file."""
+    try:
+        from speechbrain.utils.bleu import BLEUStats
+        return BLEUStats
+    except ImportError:
+        name = "speechbrain.integrations.nlp.bleu"
+        path = pathlib.Path(sb.__file__).parent / "integrations" / "nlp" / "bleu.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(module)
+        return module.BLEUStats
+
+
+class DWERLike(MetricStats):
+    """Shaped as focalcodec's DWER: a MetricStats that does not call
+    MetricStats.__init__, holds a model, and nests two ErrorRateStats."""
+
+    def __init__(self):
+        self.sample_rate = 16000
+        self.model = torch.nn.Linear(2, 2)  # its Whisper model, in focalcodec
+        self.wer_computer = ErrorRateStats()
+        self.cer_computer = ErrorRateStats(split_tokens=True)
+
+    def append(self, ids, hyp, ref):
+        self.wer_computer.append(ids, hyp, ref)
+        self.cer_computer.append(ids, hyp, ref)
+
+    def summarize(self, field=None):
+        summary = self.wer_computer.summarize()
+        summary["CER"] = self.cer_computer.summarize("error_rate")
+        return summary if field is None else summary[field]
+
+
+class PatternBrain(toy.ToyBrain):
+    """The toy model and loss; each pattern's bookkeeping on top. ``stage_output``
+    is the identity here, as a plain SpeechBrain recipe would open the path itself."""
+
+    pattern = None
+
+    def stage_output(self, path):
+        return path
+
+    def compute_forward(self, batch, stage):
+        x, lens = batch.x
+        if self.pattern == "modules":
+            x = self.hparams.input_norm(x, lens)  # through hparams, not in modules, as EmoDia
+        mask = (torch.arange(x.shape[1])[None, :] < (lens * x.shape[1]).round()[:, None]).float()
+        return self.modules.model((x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+
+    def on_fit_start(self):
+        super().on_fit_start()
+        self.last_epoch, self.last_batch, self.last_loss_stats = 0, None, {}  # as HiFi-GAN
+
+    def compute_objectives(self, logits, batch, stage):
+        labels = batch.label.data[:, 0]
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if stage != sb.Stage.TRAIN:
+            self.seen.ids.extend(batch.id)
+            getattr(self, f"_batch_{self.pattern}")(logits, labels, loss, batch, stage)
+        return loss
+
+    def on_stage_start(self, stage, epoch=None):
+        if stage != sb.Stage.TRAIN:
+            getattr(self, f"_start_{self.pattern}")(stage)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        record = {"stage": stage.name, "loss": stage_loss, "epoch": epoch}
+        if stage != sb.Stage.TRAIN:
+            record.update(getattr(self, f"_end_{self.pattern}")(stage, stage_loss, epoch))
+        if stage == sb.Stage.VALID:
+            meta = {"loss": stage_loss, "epoch": epoch}
+            if self.pattern == "last_values":  # HiFi-GAN: the last batch's loss stats become the meta
+                meta = {**self.last_loss_stats[sb.Stage.VALID], "epoch": epoch}
+            self.checkpointer.save_and_keep_only(meta=meta, min_keys=["loss"])
+        self.log.append(record)
+
+    # -- last_values ---------------------------------------------------------------
+
+    def _start_last_values(self, stage):
+        self.n_batches, self.per_class = 0, collections.defaultdict(int)
+        self.per_label = collections.Counter()
+
+    def _batch_last_values(self, logits, labels, loss, batch, stage):
+        self.last_batch = (batch.x.data.detach().clone(), list(batch.id))
+        self.last_loss_stats[stage] = {"loss": float(loss), "size": len(batch.id)}
+        self.last_attn = logits.detach().clone()
+        self.last_loss = loss.item()
+        self.n_batches += 1
+        for label in labels.tolist():
+            self.per_class[label] += 1
+            self.per_label[f"c{label}"] += 2
+
+    def _end_last_values(self, stage, stage_loss, epoch):
+        return {"last_ids": self.last_batch[1], "last_x": self.last_batch[0].tolist(),
+                "last_attn": self.last_attn.tolist(), "last_loss": self.last_loss,
+                "stats": dict(self.last_loss_stats), "n_batches": self.n_batches,
+                "per_class": list(self.per_class.items()), "per_label": list(self.per_label.items())}
+
+    # -- containers ----------------------------------------------------------------
+
+    def _start_containers(self, stage):
+        self.wer_metrics = collections.defaultdict(functools.partial(ErrorRateStats))
+        self.cer_metrics = collections.defaultdict(functools.partial(ErrorRateStats, split_tokens=True))
+        self.per_group = {}
+        self.bleu = _bleu_stats()()
+        self.dwer = DWERLike()
+
+        def accuracy_value(predict, target, lengths):  # a closure, as UrbanSound8k's
+            return (predict.argmax(-1) == target).float()
+
+        self.acc_metric = MetricStats(metric=accuracy_value, n_jobs=1)
+
+    def _batch_containers(self, logits, labels, loss, batch, stage):
+        preds = logits.argmax(-1)
+        hyps = [[f"w{int(p)}", "a"] for p in preds]
+        refs = [[f"w{int(t)}", "a", "b"][: 2 + int(t) % 2] for t in labels]
+        for method in ("1best", "rescored"):  # the k2 recipe's decoding methods
+            self.wer_metrics[method].append(batch.id, hyps, refs)
+            self.cer_metrics[method].append(batch.id, hyps, refs)
+        for utt, hyp, ref, label in zip(batch.id, hyps, refs, labels.tolist()):
+            group = f"g{label}"
+            if group not in self.per_group:
+                self.per_group[group] = ErrorRateStats()
+            self.per_group[group].append([utt], [hyp], [ref])
+        self.bleu.append(batch.id, [" ".join(h) for h in hyps], [[" ".join(r) for r in refs]])
+        self.dwer.append(batch.id, hyps, refs)
+        self.acc_metric.append(batch.id, predict=logits.detach(), target=labels, lengths=None)
+
+    def _end_containers(self, stage, stage_loss, epoch):
+        text = io.StringIO()
+        self.wer_metrics["1best"].write_stats(text)
+        return {"methods": list(self.wer_metrics),
+                "wer": [m.summarize("error_rate") for m in self.wer_metrics.values()],
+                "cer": [m.summarize("error_rate") for m in self.cer_metrics.values()], "wer_stats": text.getvalue(),
+                "groups": {g: (m.summarize("error_rate"), list(m.ids)) for g, m in self.per_group.items()},
+                "group_order": list(self.per_group), "bleu": self.bleu.summarize("BLEU"),
+                "bleu_targets": self.bleu.targets, "dwer": self.dwer.summarize(),
+                "accuracy": self.acc_metric.summarize("average"), "acc_ids": list(self.acc_metric.ids)}
+
+    # -- arrays --------------------------------------------------------------------
+
+    def _start_arrays(self, stage):
+        name = f"{stage.name.lower()}_confusion_matrix"
+        setattr(self, name, np.zeros(shape=(toy.CLASSES, toy.CLASSES), dtype=int))
+        self.prob_sum = np.zeros(toy.CLASSES)
+
+    def _batch_arrays(self, logits, labels, loss, batch, stage):
+        y_true, y_pred = labels.numpy(), logits.detach().argmax(-1).numpy()
+        matrix = np.bincount(y_true * toy.CLASSES + y_pred, minlength=toy.CLASSES ** 2).reshape(toy.CLASSES, -1)
+        if stage == sb.Stage.VALID:
+            self.valid_confusion_matrix += matrix
+        else:
+            self.test_confusion_matrix += matrix
+        self.prob_sum += logits.detach().softmax(-1).double().sum(0).numpy()
+
+    def _end_arrays(self, stage, stage_loss, epoch):
+        matrix = getattr(self, f"{stage.name.lower()}_confusion_matrix")
+        return {"confusion": matrix.tolist(), "dtype": str(matrix.dtype), "prob_sum": self.prob_sum.tolist()}
+
+    # -- loaders -------------------------------------------------------------------
+
+    _start_loaders = _start_last_values
+    _batch_loaders = _batch_last_values
+
+    def _end_loaders(self, stage, stage_loss, epoch):
+        return {"n_batches": self.n_batches, "per_class": sorted(self.per_class.items())}
+
+    # -- files ---------------------------------------------------------------------
+
+    def _start_files(self, stage):
+        self.main_acc = []
+
+    def _batch_files(self, logits, labels, loss, batch, stage):
+        preds = logits.argmax(-1)
+        if stage == sb.Stage.TEST:  # SLURP: predictions.jsonl, every TEST batch
+            with open(self.stage_output(self.hparams.predictions_file), "a") as writer:
+                for utt, pred in zip(batch.id, preds.tolist()):
+                    writer.write(json.dumps({"file": utt, "scenario": pred}) + "\n")
+        with open(self.hparams.eder_file, "a", encoding="utf-8") as w:  # EmoDia: without the helper
+            w.write(f"    wav_id : {batch.id[0]}\n")
+        if if_main_process():  # BEST-RQ: the accuracy, on the main process only
+            self.main_acc.append(float((preds == labels).float().mean()))
+
+    def _end_files(self, stage, stage_loss, epoch):
+        return {"main_acc": list(self.main_acc)}
+
+    # -- modules -------------------------------------------------------------------
+
+    def _start_modules(self, stage):
+        pass
+
+    def _batch_modules(self, logits, labels, loss, batch, stage):
+        pass
+
+    def _end_modules(self, stage, stage_loss, epoch):
+        return {"count": self.hparams.input_norm.count}
+
+
+class DDPPatternBrain(ddp_eval.DDPEvalMixin, PatternBrain):
+    """The same recipes, converted."""
+
+
+def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Checkpointer, run_opts=None):
+    brain = toy.build(brain_cls, ckpt_dir, ddp_eval_opts=opts, checkpointer_cls=checkpointer_cls)
+    brain.pattern = pattern
+    brain.seen.ids = []
+    if run_opts:
+        for key, value in run_opts.items():
+            setattr(brain, key, value)
+    if pattern == "files":
+        out = pathlib.Path(ckpt_dir)
+        brain.hparams.predictions_file = str(out / "predictions.jsonl")
+        brain.hparams.eder_file = str(out / "eder.txt")
+    if pattern == "modules":
+        brain.hparams.input_norm = InputNormalization()
+    return brain
+
+
+def run(brain, pattern):
+    """fit 2 epochs, then TEST, as the pattern's recipes feed their data."""
+    train, valid, test = toy.make_dataset(8, 0), toy.make_dataset(23, 1), toy.make_dataset(4, 3, "tst")
+    valid_set, valid_kwargs, test_set, test_kwargs = valid, {"batch_size": 3}, test, {"batch_size": 2}
+    if pattern == "loaders":  # BEST-RQ, wav2vec2: loaders built by the recipe
+        valid_set = SaveableDataLoader(valid, batch_size=3, collate_fn=PaddedBatch)
+        test_set = LoopedLoader(DataLoader(test, batch_size=2, collate_fn=PaddedBatch), epoch_length=3)
+    brain.fit(brain.hparams.counter, train, valid_set, train_loader_kwargs={"batch_size": 4},
+              valid_loader_kwargs=valid_kwargs)
+    n_valid = len(brain.seen.ids)
+    test_loss = brain.evaluate(test_set, min_key="loss", test_loader_kwargs=test_kwargs)
+    out = {"log": brain.log, "test_loss": test_loss, "seen": {"valid": brain.seen.ids[:n_valid],
+                                                             "test": brain.seen.ids[n_valid:]},
+           "loaded_meta": {k: v for k, v in (brain.checkpointer.find_checkpoint(min_key="loss").meta or {}).items()
+                           if k in ("loss", "epoch", "size")}}
+    if pattern == "files":
+        folder = pathlib.Path(brain.hparams.predictions_file).parent
+        out["predictions"] = pathlib.Path(brain.hparams.predictions_file).read_text() if if_main_process() else None
+        out["leftovers"] = sorted(p.name for p in folder.glob("*.ddp_eval-part*"))
+    return out
+
+
+def single_process(ckpt_dir, pattern, run_opts=None):
+    """Plain SpeechBrain in one process: the reference."""
+    brain = build(PatternBrain, ckpt_dir, pattern, checkpointer_cls=sb.utils.checkpoints.Checkpointer,
+                  run_opts=run_opts)
+    return run(brain, pattern)
+
+
+def ranks_worker(rank, world_size, directory, patterns, opts=None, run_opts=None):
+    """Every pattern on this rank, in one process group; each returns its
+    outcome and the ddp_eval warnings this rank logged during it."""
+    results = {}
+    for pattern in patterns:
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("ddp_eval").addHandler(handler)
+        torch.manual_seed(0)
+        ckpt_dir = os.path.join(directory, pattern)
+        try:
+            out = run(build(DDPPatternBrain, ckpt_dir, pattern, opts, run_opts=run_opts), pattern)
+        finally:
+            logging.getLogger("ddp_eval").removeHandler(handler)
+        out["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+        results[pattern] = out
+    return results

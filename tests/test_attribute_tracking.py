@@ -1,0 +1,260 @@
+"""Attribute tracking and merging in one process: every rank's tracker driven
+by hand over its share of the batches, merged and applied as the stage does,
+compared with one process running the same batches (no process group: the
+multi-process path of the same code is tests/test_recipe_patterns.py)."""
+
+import collections
+import pickle
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from ddp_eval.attribute_merge import last_candidates, last_writer, merge_attribute_states
+from ddp_eval.attributes import AttributeTracker
+from ddp_eval.metrics import MetricFinder, MetricRecorder, merge_metric_stats
+from ddp_eval.probes import is_probe
+from ddp_eval.values import ELSEWHERE, Kind
+
+pytestmark = pytest.mark.fast
+
+LAYOUTS = {"2 ranks": [[0, 3, 4], [1, 2, 5]], "3 ranks, one idle": [[0, 3], [1, 2], []],
+           "one batch each": [[0], [1], [2]]}
+
+
+def simulate(make, batch, layout, budget_mb=64.0):
+    """``(one process, [each rank after the merge], result)`` for ``batch(holder, b)``
+    run over every batch, and over each rank's share (``layout``)."""
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, trackers, states = [], [], []
+    for positions in layout:
+        holder = make()
+        tracker = AttributeTracker({name: (holder, name) for name in vars(holder)}, budget_mb)
+        tracker.before_batch()
+        for b in positions:
+            batch(holder, b)
+            tracker.add({name: (holder, name) for name in vars(holder)})  # as the stage: attributes created
+            tracker.after_batch()
+            tracker.before_batch()
+        changes, unmergeable = tracker.finish(positions)
+        assert not unmergeable, unmergeable
+        holders.append(holder)
+        trackers.append(tracker)
+        states.append(pickle.loads(pickle.dumps(changes)))  # as they travel
+    result = merge_attribute_states(states)
+    candidates = [last_candidates(s) for s in states]
+    winners = {path: last_writer([(r, c[path]) for r, c in enumerate(candidates) if path in c])
+               for path in set().union(*candidates)}
+    bound = [t.bound_objects() for t in trackers]
+    for rank, (holder, tracker) in enumerate(zip(holders, trackers)):
+        def last_value(label, rank=rank):
+            winner = winners[label]
+            return ELSEWHERE if winner == rank else pickle.loads(pickle.dumps(bound[winner][label]))
+        tracker.apply(result.merged, lambda label, h=holder: (h, label), last_value)
+    return single, holders, result
+
+
+def assert_same(single, holder):
+    for name, want in vars(single).items():
+        got = getattr(holder, name)
+        if isinstance(want, (np.ndarray, torch.Tensor)):
+            assert type(got) is type(want) and got.dtype == want.dtype and (got == want).all(), name
+        else:
+            assert repr(got) == repr(want) and type(got) is type(want), name
+
+
+def recipe_state():
+    return types.SimpleNamespace(
+        items=[], n=0, total=0.0, last_ids=None, stats={"TRAIN": {"loss": 1.0}}, preds={},
+        conf=np.zeros((3, 3), dtype=int), cnt=torch.zeros(3, dtype=torch.long), vec=torch.zeros(2),
+        last_batch=None, flag=None, name="x", per_class=collections.defaultdict(int),
+        per_spk=collections.defaultdict(list), counts=collections.Counter(), mean=collections.defaultdict(float))
+
+
+def recipe_batch(h, b):
+    h.items.append(b)  # a list that grows
+    h.n += 2  # a counter
+    h.total += 0.1 * b  # a float accumulator: replayed in global order, bit for bit
+    h.last_ids = [f"u{b}", f"v{b}"]  # a new list every batch: the last one
+    h.stats["VALID"] = {"loss": float(b)}  # HiFi-GAN's last_loss_stats[stage]
+    h.preds[f"u{b}"] = b * 10  # one key per utterance
+    h.conf[b % 3, (b + 1) % 3] += 1  # UrbanSound8k's confusion matrix
+    h.cnt[b % 3] += 1
+    h.vec += b
+    h.last_batch = (torch.ones(2) * b, b)  # HiFi-GAN's last_batch
+    h.flag = b % 2 == 1 if b else None  # bools and None: singletons (see the limit below)
+    h.name = f"batch{b}"
+    h.per_class[b % 2] += 1
+    h.per_spk[b % 3].append(b)
+    h.counts[f"k{b % 2}"] += 2
+    h.mean["x"] += 0.1 * b
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_every_kind_of_change_merges_to_one_process(layout):
+    single, holders, result = simulate(recipe_state, recipe_batch, layout)
+    assert not result.conflicts
+    for holder in holders:
+        assert_same(single, holder)
+        assert not any(is_probe(v) for v in vars(holder).values())  # no probe left behind
+        assert holder.per_class.default_factory is int  # nor a wrapped factory
+    if len(layout) == 3 and all(len(p) == 1 for p in layout):  # cannot tell = from += for these
+        assert "last_ids" in result.assumed and "stats['VALID']" in result.assumed
+
+
+def test_binding_the_object_already_there_is_not_seen():
+    """The documented limit: a batch that binds the very object the attribute
+    holds (True over True, the same interned string) changes nothing to watch,
+    so the last batch seen to change it wins."""
+    def batch(h, b):
+        h.flag = b % 2 == 1
+
+    single, holders, _ = simulate(lambda: types.SimpleNamespace(flag=False), batch, [[0], [1], [2]])
+    assert single.flag is False  # batch 2 set False, over the False already on its rank
+    assert all(h.flag is True for h in holders)  # batch 1's True, the last change seen
+
+
+def test_kinds_as_the_tracker_tells_them():
+    single, holders, result = simulate(recipe_state, recipe_batch, LAYOUTS["2 ranks"])
+    kinds = {label: kind for label, (kind, _) in result.merged.items()}
+    assert kinds == {"items": Kind.APPEND, "n": Kind.FOLD, "total": Kind.FOLD, "last_ids": Kind.LAST,
+                     "stats": Kind.KEYS, "preds": Kind.KEYS, "conf": Kind.SUM, "cnt": Kind.SUM,
+                     "vec": Kind.ACCUMULATE, "last_batch": Kind.LAST, "flag": Kind.LAST, "name": Kind.LAST,
+                     "per_class": Kind.KEYS, "per_spk": Kind.KEYS, "counts": Kind.KEYS, "mean": Kind.KEYS}
+    assert result.merged["n"][1] == [("+", 2)] * 6
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_created_during_the_stage_counts_from_its_first_value(layout):
+    """A counter created by the first batch that sees it (getattr default, or
+    `if not hasattr`) counts from that batch's value, as in one process."""
+    def batch(h, b):
+        h.seen_n = getattr(h, "seen_n", 0) + 1
+        if not hasattr(h, "total"):
+            h.total = 0.0
+        h.total += 0.5
+
+    single, holders, result = simulate(types.SimpleNamespace, batch, layout)
+    if all(len(p) == 1 for p in layout):  # no rank saw a second batch add to it: named, not guessed
+        assert set(result.assumed) == {"seen_n", "total"}
+        assert "create it in on_stage_start" in result.assumed["total"]
+        return
+    for holder in holders:
+        assert_same(single, holder)
+
+
+@pytest.mark.parametrize("pattern,why", [
+    (lambda h, b: setattr(h, "best", max(h.best, 0.1 * b)), "computed its new value from its previous one"),
+    (lambda h, b: setattr(h, "ema", h.ema * 0.9 + b), "computed its new value from its previous one"),
+    (lambda h, b: h.items.pop() if b % 2 else h.items.append(b), "entries were removed"),
+    (lambda h, b: setattr(h, "holder", types.SimpleNamespace(n=b)) if b == 0 else setattr(h.holder, "n", b),
+     "whose contents changed in place"),
+])
+def test_what_cannot_be_merged_is_named(pattern, why):
+    holder = types.SimpleNamespace(best=0.0, ema=0.0, items=[0, 1, 2], holder=None)
+    tracker = AttributeTracker({name: (holder, name) for name in vars(holder)})
+    tracker.before_batch()
+    for b in range(3):
+        pattern(holder, b)
+        tracker.after_batch()
+        tracker.before_batch()
+    _, unmergeable = tracker.finish([0, 2, 4])
+    assert any(why in text for text in unmergeable.values()), unmergeable
+
+
+def test_bound_on_one_rank_and_changed_in_place_on_another_is_a_conflict():
+    def make():
+        return types.SimpleNamespace(items=[])
+
+    def batch(h, b):
+        if b == 1:
+            h.items = [b]  # bound anew on the rank holding batch 1
+        else:
+            h.items.append(b)
+
+    _, holders, result = simulate(make, batch, [[0, 2], [1]])
+    assert "bound new objects to it" in result.conflicts["items"]
+
+
+def test_float_accumulators_replay_in_global_order_bit_for_bit():
+    values = [0.1 * k + 1e-17 * k * k for k in range(40)]
+
+    def batch(h, b):
+        h.total += values[b]
+
+    layout = [list(range(r, 40, 3)) for r in range(3)]
+    single, holders, _ = simulate(lambda: types.SimpleNamespace(total=1e16), batch, layout)
+    assert all(h.total == single.total for h in holders)  # ==, not approximately
+
+
+def test_tensors_unchanged_are_never_copied_and_float_ones_fall_back_to_totals(caplog):
+    h = types.SimpleNamespace(table=torch.arange(6.0), acc=torch.zeros(1024, dtype=torch.float64))
+    tracker = AttributeTracker({n: (h, n) for n in vars(h)}, budget_mb=20 / 1024)  # 2 increments of 8 kB
+    version = h.table._version
+    with caplog.at_level("WARNING"):
+        for _ in range(5):
+            tracker.before_batch()
+            h.acc += 0.5
+            tracker.after_batch()
+    changes, _ = tracker.finish([0, 1, 2, 3, 4])
+    assert "table" not in changes and h.table._version == version
+    assert changes["acc"].data[0] == "total" and changes["acc"].data[1].unique().tolist() == [2.5]
+    assert tracker.used_bytes == 6 * 4  # the table's start copy (it could change in place); increments released
+    assert caplog.text.count("'acc' exceed ddp_eval: attribute_memory_mb") == 1
+
+
+def test_a_tensor_changed_in_place_without_room_for_its_start_copy_is_named():
+    h = types.SimpleNamespace(table=torch.arange(1.0, 257.0), moved=torch.arange(1.0, 257.0))
+    tracker = AttributeTracker({n: (h, n) for n in vars(h)}, budget_mb=0.0)
+    tracker.before_batch()
+    h.table += 1
+    h.moved = h.moved + 1  # bound anew: the last batch's tensor, no copy needed
+    tracker.after_batch()
+    changes, unmergeable = tracker.finish([4])
+    assert "no room for its start copy" in unmergeable["table"]
+    assert changes["moved"].kind is Kind.LAST
+
+
+def test_journal_pieces_merge_to_the_whole_stage():
+    """A rank's pieces (cut every 3 batches) merge to what its whole-stage state merges to."""
+    import speechbrain as sb
+
+    h = types.SimpleNamespace(err=sb.utils.metric_stats.ErrorRateStats(), items=[], seen={"old": 0}, n=0,
+                              total=0.0, counts=torch.zeros(4, dtype=torch.long), vec=torch.zeros(3),
+                              last=None, per=collections.defaultdict(int))
+    recorder = MetricRecorder(MetricFinder(), h)
+    tracker = AttributeTracker({n: (h, n) for n in ("items", "seen", "n", "total", "counts", "vec", "last", "per")})
+    positions = [3 * b + 1 for b in range(10)]
+    metric_pieces, attribute_pieces = [], []
+    tracker.before_batch()
+    for b in range(10):
+        h.err.append([f"u{b}"], [["a", "b"][: 1 + b % 2]], [["a", "c"]])
+        h.items.append(b)
+        h.seen[f"u{b}"] = b
+        h.seen["old"] = b  # an entry replaced
+        h.n += b
+        h.total += 0.1 * b
+        h.counts[b % 4] += 1
+        h.vec += b * 0.5
+        h.last = f"batch {b}"
+        h.per[b % 2] += 1
+        recorder.after_batch(h)
+        tracker.after_batch()
+        if b % 3 == 2:
+            metric_pieces.append(recorder.piece(positions))
+            attribute_pieces.append(tracker.piece(positions))
+        tracker.before_batch()
+    metric_pieces.append(recorder.piece(positions))
+    attribute_pieces.append(tracker.piece(positions))
+    assert merge_metric_stats(metric_pieces) == merge_metric_stats([recorder.finish(h, positions)])
+    whole, _ = tracker.finish(positions)
+    pieced = merge_attribute_states(attribute_pieces).merged
+    merged = merge_attribute_states([whole]).merged
+    for label in ("items", "seen", "n", "total", "per"):
+        assert repr(pieced[label]) == repr(merged[label]), label
+    assert pieced["last"] == (Kind.LAST, "batch 9") and merged["last"] == (Kind.LAST, ELSEWHERE)
+    assert torch.equal(pieced["counts"][1], merged["counts"][1])
+    assert torch.equal(torch.stack(list(pieced["vec"][1])), torch.stack(list(merged["vec"][1])))

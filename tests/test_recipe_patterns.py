@@ -1,0 +1,136 @@
+"""The evaluation-time patterns of SpeechBrain's own recipes (issue 20), written
+as the recipes write them (tests/patterns.py), against plain SpeechBrain in one
+process, at 2 and 3 ranks (at 3, rank 2 evaluates no TEST batch): exact, or
+named in a warning with the remedy."""
+
+import json
+import math
+
+import pytest
+
+from tests import patterns
+from tests.mp_harness import results, run_ranks
+
+pytestmark = pytest.mark.timeout(400)
+EXACT = ("last_values", "containers", "arrays", "loaders")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return {p: patterns.single_process(tmp_path_factory.mktemp(p), p) for p in patterns.PATTERNS}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory):
+    """Every pattern on ``params`` ranks, in one process group."""
+    folder = tmp_path_factory.mktemp(f"ranks{request.param}")
+    outs = results(run_ranks(patterns.ranks_worker, request.param, str(folder), patterns.PATTERNS,
+                             {"collective_timeout": 60}, timeout=360))
+    return request.param, outs
+
+
+def evaluation_records(out):
+    return [r for r in out["log"] if r["stage"] != "TRAIN"]
+
+
+def assert_records_equal(got, want, skip=()):
+    assert [r["stage"] for r in got] == [r["stage"] for r in want]
+    for g, w in zip(got, want):
+        assert math.isclose(g["loss"], w["loss"], rel_tol=1e-9)
+        for key in set(w) - {"loss"} - set(skip):
+            assert repr(g[key]) == repr(w[key]), (g["stage"], key)
+
+
+@pytest.mark.parametrize("pattern", EXACT)
+def test_exact_patterns_equal_one_process_on_every_rank(pattern, ranks, references):
+    world_size, outs = ranks
+    want = references[pattern]
+    for out in (o[pattern] for o in outs):
+        assert_records_equal(evaluation_records(out), evaluation_records(want))
+        assert math.isclose(out["test_loss"], want["test_loss"], rel_tol=1e-9)
+        # the checkpoint chosen by min_key from the meta (HiFi-GAN: the last batch's loss stats)
+        assert out["loaded_meta"].keys() == want["loaded_meta"].keys()
+        assert out["loaded_meta"]["epoch"] == want["loaded_meta"]["epoch"]
+    for stage in ("valid", "test"):  # each utterance evaluated as often as in one process
+        assert sorted(i for o in outs for i in o[pattern]["seen"][stage]) == sorted(want["seen"][stage])
+
+
+def test_values_assigned_per_batch_are_the_last_batch_ones(ranks, references):
+    world_size, outs = ranks
+    want = {r["stage"]: r for r in evaluation_records(references["last_values"])}
+    for out in outs:
+        got = {r["stage"]: r for r in evaluation_records(out["last_values"])}
+        for stage in ("VALID", "TEST"):
+            assert got[stage]["last_ids"] == want[stage]["last_ids"]  # self.last_batch: the global last
+            assert got[stage]["last_attn"] == want[stage]["last_attn"]  # a tensor bound anew every batch
+            assert got[stage]["last_loss"] == want[stage]["last_loss"]  # a number set every batch
+            assert got[stage]["n_batches"] == want[stage]["n_batches"]  # a counter (+=)
+            assert got[stage]["per_class"] == want[stage]["per_class"]  # defaultdict(int)
+            assert got[stage]["per_label"] == want[stage]["per_label"]  # Counter
+    warnings = " ".join(outs[0]["last_values"]["warnings"])
+    assert "'last_loss_stats[<Stage.VALID: 2>]'" not in warnings  # told, not assumed: several batches per rank
+
+
+def test_metric_containers_created_lazily_are_merged_in_creation_order(ranks, references):
+    world_size, outs = ranks
+    want = evaluation_records(references["containers"])
+    for out in outs:
+        for got, expected in zip(evaluation_records(out["containers"]), want):
+            assert got["methods"] == ["1best", "rescored"] == expected["methods"]
+            assert got["group_order"] == expected["group_order"]  # a plain dict filled lazily
+            assert got["wer_stats"] == expected["wer_stats"]
+            assert got["bleu_targets"] == expected["bleu_targets"]  # one growing list per reference
+        assert out["containers"]["warnings"] == []
+
+
+def test_numpy_arrays_changed_in_place_are_merged(ranks, references):
+    world_size, outs = ranks
+    for out in outs:
+        for got, want in zip(evaluation_records(out["arrays"]), evaluation_records(references["arrays"])):
+            assert got["confusion"] == want["confusion"] and got["dtype"] == want["dtype"]  # ints: exact
+            assert got["prob_sum"] == pytest.approx(want["prob_sum"], rel=1e-12)  # floats: as float tensors
+        assert out["arrays"]["warnings"] == []
+
+
+def test_per_batch_file_through_stage_output_equals_one_process(ranks, references):
+    world_size, outs = ranks
+    want = references["files"]["predictions"]
+    assert outs[0]["files"]["predictions"] == want  # rank 0 appended every rank's part in batch order
+    assert len(want.splitlines()) == 4 and json.loads(want.splitlines()[0])["file"].startswith("tst")
+    for out in outs:
+        assert out["files"]["leftovers"] == []  # the parts are removed
+
+
+def test_appends_without_the_helper_and_main_process_only_effects_are_named(ranks):
+    world_size, outs = ranks
+    warnings = outs[0]["files"]["warnings"]
+    appended = [w for w in warnings if "eder.txt" in w]
+    assert appended and all("self.stage_output(path)" in w for w in appended)
+    main_only = [w for w in warnings if "['main_acc']" in w]
+    assert main_only and "if_main_process" in main_only[0] and "VALID" in main_only[0]
+    assert all(out["files"]["warnings"] == [] for out in outs[1:])  # rank 0 warns
+
+
+def test_a_module_learning_statistics_through_hparams_is_named(ranks):
+    world_size, outs = ranks
+    warnings = outs[0]["modules"]["warnings"]
+    named = [w for w in warnings if "'hparams.input_norm'" in w]
+    assert named and "modules differ across ranks" in named[0] and "eval mode" in named[0]
+    assert not [w for w in warnings if "state outside the Brain" in w]  # said once, as a module
+
+
+DEBUG = {"debug": True, "debug_batches": 2, "debug_epochs": 1}
+
+
+def test_a_debug_run_evaluates_the_global_batches_one_process_would(tmp_path):
+    """--debug stops each loop after debug_batches: under sharding, counted in
+    global batches, for loaders the mixin made and loaders the recipe built."""
+    shown = ("last_values", "loaders")
+    want = {p: patterns.single_process(tmp_path / f"single-{p}", p, run_opts=DEBUG) for p in shown}
+    outs = results(run_ranks(patterns.ranks_worker, 2, str(tmp_path / "ranks"), shown, None, DEBUG, timeout=200))
+    for pattern in shown:
+        assert len(want[pattern]["seen"]["valid"]) == 2 * 3  # 2 batches of 3
+        for stage in ("valid", "test"):
+            assert sorted(i for o in outs for i in o[pattern]["seen"][stage]) == sorted(want[pattern]["seen"][stage])
+        for out in outs:
+            assert_records_equal(evaluation_records(out[pattern]), evaluation_records(want[pattern]))
