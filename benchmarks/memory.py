@@ -40,34 +40,50 @@ def per_batch_costs(batches=20000):
     """Time and memory of the per-batch bookkeeping, early and late in a long stage.
 
     One process: what the mixin does after each batch (find metric objects, note
-    list lengths, watch attributes), on a Brain-like holder whose ErrorRateStats,
-    list and dict grow by 4 utterances a batch, as a recipe's would.
+    list lengths, watch attributes, put probes in place for the next batch), on a
+    Brain-like holder whose ErrorRateStats, list and dict grow by 4 utterances a
+    batch, with a counter (+=), a number set every batch, and HiFi-GAN's
+    ``last_loss_stats[stage]`` and ``last_batch`` bound anew, as a recipe's would.
     """
     import array
+    import sys
     import types
 
     import speechbrain as sb
 
     from ddp_eval.attributes import AttributeTracker
     from ddp_eval.metrics import MetricFinder, MetricRecorder
+    from ddp_eval.watches import DictWatch, ListWatch
 
-    holder = types.SimpleNamespace(wer=sb.utils.metric_stats.ErrorRateStats(), acc_metric=[], predictions={})
+    holder = types.SimpleNamespace(wer=sb.utils.metric_stats.ErrorRateStats(), acc_metric=[], predictions={},
+                                   n_correct=0, last_loss=0.0, last_loss_stats={}, last_batch=None)
     recorder = MetricRecorder(MetricFinder(), holder)
-    tracker = AttributeTracker({"acc_metric": (holder, "acc_metric"), "predictions": (holder, "predictions")})
+    tracker = AttributeTracker({n: (holder, n) for n in vars(holder) if n != "wer"})
     windows = {}
+    tracker.before_batch()
     for b in range(batches):
         ids = [f"u{b}-{i}" for i in range(4)]
         holder.wer.append(ids, [["a", "b"]] * 4, [["a", "c"]] * 4)
         holder.acc_metric.append(0.5)
         holder.predictions.update((i, 1) for i in ids)
+        holder.n_correct += 3
+        holder.last_loss = 0.25 * (b % 7)
+        holder.last_loss_stats["VALID"] = {"loss": holder.last_loss}
+        holder.last_batch = (ids, b)
         t = time.perf_counter()
         recorder.after_batch(holder)
         tracker.after_batch()
+        tracker.before_batch()
         elapsed = time.perf_counter() - t
         windows.setdefault("first 1000" if b < 1000 else "last 1000" if b >= batches - 1000 else None, []).append(
             elapsed)
     kept = sum(a.buffer_info()[1] * a.itemsize for a in recorder._changes.values() if isinstance(a, array.array))
-    kept += sum(t.changes.buffer_info()[1] * t.changes.itemsize for t in tracker.tracks.values())
+    for slot in tracker.tracks.values():
+        watch = slot.watch
+        kept += sys.getsizeof(slot.events) + sum(sys.getsizeof(e) for e in slot.events)
+        for records in ([watch.changes] if isinstance(watch, ListWatch) else
+                        [watch.added] if isinstance(watch, DictWatch) else []):
+            kept += records.buffer_info()[1] * records.itemsize
     return {"batches": batches, "us_per_batch_first_1000": 1e6 * statistics.mean(windows["first 1000"]),
             "us_per_batch_last_1000": 1e6 * statistics.mean(windows["last 1000"]),
             "record_bytes_per_batch": kept / batches}

@@ -145,6 +145,11 @@ class BackgroundWriter:
         """A job is running or finished without having been waited for."""
         return self._thread is not None
 
+    @property
+    def running(self) -> bool:
+        """A job is still running (its thread has not ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self, job: Callable[[], None], name: str) -> None:
         """Starts ``job()`` in the background; ``name`` appears in errors and logs."""
         if self._thread is not None:

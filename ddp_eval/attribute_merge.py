@@ -129,13 +129,13 @@ def _merge_append(label: str, per_contribution: Sequence[Any], result: "MergeRes
 
 
 def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResult") -> Any:
-    first: Dict[Any, Tuple[float, int]] = {}
+    first: Dict[Any, Tuple[float, int, int]] = {}  # key -> (position, contribution, place in its batch)
     for index, data in enumerate(per_contribution):
         positions, sizes, keys = data["added"]
         offset = 0
         for position, size in zip(positions, sizes):
-            for key in keys[offset: offset + size]:
-                first[key] = min(first.get(key, (position, index)), (position, index))
+            for n, key in enumerate(keys[offset: offset + size]):
+                first[key] = min(first.get(key, (position, index, n)), (position, index, n))
             offset += size
     order = sorted(first, key=first.get)
     entry_changes: Dict[Any, Dict[int, Change]] = {}

@@ -177,6 +177,11 @@ class ControlChannel:
     def _key(self, seq: int, name: str) -> str:
         return f"{self.namespace}/{seq}/{name}"
 
+    def envelope_key(self, rank: int, seq: Optional[int] = None) -> str:
+        """The store key of ``rank``'s envelope in exchange ``seq`` (default: this
+        rank's next exchange); it exists once that rank has arrived there."""
+        return self._key(self.seq + 1 if seq is None else seq, f"r{rank}")
+
     def exchange(
         self,
         tag: str,

@@ -202,29 +202,40 @@ def async_enospc(rank, world_size, directory):
 def async_saves_then_average(rank, world_size, directory):
     """SpeechBrain's transformer recipes average checkpoints in on_evaluate_start:
     ``find_checkpoints(min_key=...)`` then ``average_checkpoints``, on every rank.
-    Here it runs right after the last async save returned, while its write (slowed
-    down by 1 s, so surely) is still in flight on the writer."""
+    Here it runs right after the last async save returned, while its write is held
+    until someone waits for it: surely still running when the recipe looks."""
     import threading
 
     import speechbrain as sb
 
-    original = torch.save
+    from ddp_eval.async_save import BackgroundWriter
 
-    def slow_save(obj, path, *args, **kwargs):
-        if threading.current_thread().name.startswith("ddp_eval save"):
-            time.sleep(1.0)
-        return original(obj, path, *args, **kwargs)
+    hold, release = threading.Event(), threading.Event()
+    original_save, original_wait = torch.save, BackgroundWriter.wait
 
-    torch.save = slow_save
+    def held_save(obj, path, *args, **kwargs):
+        if hold.is_set() and threading.current_thread().name.startswith("ddp_eval save"):
+            release.wait(60)
+        return original_save(obj, path, *args, **kwargs)
+
+    def releasing_wait(self, timeout=None):
+        if hold.is_set():
+            release.set()
+        return original_wait(self, timeout)
+
+    torch.save, BackgroundWriter.wait = held_save, releasing_wait
     model = torch.nn.Linear(200, 500)
     ckpter = ddp_eval.Checkpointer(directory, {"model": model}, async_save=True)
     for version, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
         with torch.no_grad():
             model.weight.fill_(float(version))
+        if version == 3:
+            ckpter.wait()
+            hold.set()  # the last save's write is held until the recipe's find_checkpoints waits for it
         ckpter.save_and_keep_only(meta={"loss": loss, "version": version}, min_keys=["loss"], num_to_keep=2)
-    writing = ckpter._background.writer.busy
+    running = ckpter._background.writer.running
     found = ckpter.find_checkpoints(min_key="loss")
     averaged = sb.utils.checkpoints.average_checkpoints(found, recoverable_name="model")
     best = ckpter.find_checkpoint(min_key="loss")
-    return {"writing": writing, "found": [c.meta["version"] for c in found],
+    return {"running": running, "found": [c.meta["version"] for c in found],
             "averaged": float(averaged["weight"][0, 0]), "best": best.meta["version"]}

@@ -87,6 +87,7 @@ class PatternBrain(toy.ToyBrain):
     is the identity here, as a plain SpeechBrain recipe would open the path itself."""
 
     pattern = None
+    interrupt_after = None  # TEST batches this process evaluates before a stand-in preemption
 
     def stage_output(self, path):
         return path
@@ -106,6 +107,10 @@ class PatternBrain(toy.ToyBrain):
         labels = batch.label.data[:, 0]
         loss = torch.nn.functional.cross_entropy(logits, labels)
         if stage != sb.Stage.TRAIN:
+            if stage == sb.Stage.TEST and self.interrupt_after is not None:
+                if self.interrupt_after == 0:
+                    raise toy.Interrupted("preempted during TEST")
+                self.interrupt_after -= 1
             self.seen.ids.extend(batch.id)
             getattr(self, f"_batch_{self.pattern}")(logits, labels, loss, batch, stage)
         return loss
@@ -267,17 +272,21 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
     return brain
 
 
-def run(brain, pattern):
+def run(brain, pattern, n_test=4, fit=True):
     """fit 2 epochs, then TEST, as the pattern's recipes feed their data."""
-    train, valid, test = toy.make_dataset(8, 0), toy.make_dataset(23, 1), toy.make_dataset(4, 3, "tst")
+    train, valid, test = toy.make_dataset(8, 0), toy.make_dataset(23, 1), toy.make_dataset(n_test, 3, "tst")
     valid_set, valid_kwargs, test_set, test_kwargs = valid, {"batch_size": 3}, test, {"batch_size": 2}
     if pattern == "loaders":  # BEST-RQ, wav2vec2: loaders built by the recipe
         valid_set = SaveableDataLoader(valid, batch_size=3, collate_fn=PaddedBatch)
         test_set = LoopedLoader(DataLoader(test, batch_size=2, collate_fn=PaddedBatch), epoch_length=3)
-    brain.fit(brain.hparams.counter, train, valid_set, train_loader_kwargs={"batch_size": 4},
-              valid_loader_kwargs=valid_kwargs)
+    if fit:
+        brain.fit(brain.hparams.counter, train, valid_set, train_loader_kwargs={"batch_size": 4},
+                  valid_loader_kwargs=valid_kwargs)
     n_valid = len(brain.seen.ids)
-    test_loss = brain.evaluate(test_set, min_key="loss", test_loader_kwargs=test_kwargs)
+    try:
+        test_loss = brain.evaluate(test_set, min_key="loss", test_loader_kwargs=test_kwargs)
+    except (toy.Interrupted, ddp_eval.DDPEvalError) as error:
+        return {"error": type(error).__name__, "seen": brain.seen.ids[n_valid:]}
     out = {"log": brain.log, "test_loss": test_loss, "seen": {"valid": brain.seen.ids[:n_valid],
                                                              "test": brain.seen.ids[n_valid:]},
            "loaded_meta": {k: v for k, v in (brain.checkpointer.find_checkpoint(min_key="loss").meta or {}).items()
@@ -289,11 +298,20 @@ def run(brain, pattern):
     return out
 
 
-def single_process(ckpt_dir, pattern, run_opts=None):
+def single_process(ckpt_dir, pattern, run_opts=None, n_test=4):
     """Plain SpeechBrain in one process: the reference."""
     brain = build(PatternBrain, ckpt_dir, pattern, checkpointer_cls=sb.utils.checkpoints.Checkpointer,
                   run_opts=run_opts)
-    return run(brain, pattern)
+    return run(brain, pattern, n_test)
+
+
+def interrupted_worker(rank, world_size, directory, pattern, fit, interrupt_after, n_test):
+    """One rank of a converted recipe whose TEST stops after ``interrupt_after``
+    batches on this rank (first run), or runs to the end (``None``: resumed)."""
+    torch.manual_seed(0)
+    brain = build(DDPPatternBrain, directory, pattern, {"resume_eval_every_s": 0})
+    brain.interrupt_after = interrupt_after
+    return run(brain, pattern, n_test, fit)
 
 
 def ranks_worker(rank, world_size, directory, patterns, opts=None, run_opts=None):
@@ -314,3 +332,19 @@ def ranks_worker(rank, world_size, directory, patterns, opts=None, run_opts=None
         out["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
         results[pattern] = out
     return results
+
+
+def ordinary_recipe(rank, world_size, directory):
+    """The toy recipe with every metric type and plain attribute (FullBrain) and the
+    transformer-style saves: the ddp_eval warnings this rank logged."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+
+    class Converted(ddp_eval.DDPEvalMixin, toy.FullBrain):
+        pass
+
+    toy.run_accumulating(toy.build(Converted, directory, epochs=2))
+    toy.run_recipe(toy.build(toy.DDPToyBrain, os.path.join(directory, "toy")))
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]

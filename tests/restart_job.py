@@ -2,21 +2,23 @@
 
 Attempt 0: rank 1 SIGKILLs itself in the training stage of epoch 4 (checkpoints
 of epochs 1-3 exist). torchrun restarts both workers with the same agent store.
-Attempt 1: rank 1 is slower than rank 0 at every stage end, so a rank that read
-keys of attempt 0 would take them for answers. The job resumes, finishes, tests
+Attempt 1: rank 1 reaches every stage end's exchange after rank 0 (it waits for
+rank 0's envelope in the store), so a rank that read keys of attempt 0 would take
+them for answers. The job resumes, finishes, tests
 the best checkpoint and writes what each rank saw.
 
 Usage: torchrun --max-restarts=1 ... restart_job.py CKPT_DIR OUT_DIR
 """
 
+import datetime
 import json
 import os
 import signal
 import sys
-import time
 
 import speechbrain as sb
 
+import ddp_eval
 from tests import toy
 
 EPOCHS = 6
@@ -33,7 +35,8 @@ class RestartedBrain(toy.DDPToyBrain):
 
     def on_stage_end(self, stage, stage_loss, epoch=None):
         if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0 and os.environ["RANK"] == "1":
-            time.sleep(0.3)  # the other rank reaches every exchange first
+            channel = ddp_eval.dist.default_channel()  # rank 0 reaches the next exchange first
+            channel.store.wait([channel.envelope_key(0)], datetime.timedelta(seconds=60))
         super().on_stage_end(stage, stage_loss, epoch)
 
 

@@ -8,7 +8,7 @@ import speechbrain as sb
 
 from tests import toy
 from tests.mp_harness import results, run_ranks
-from tests.workers import accumulating_recipe, running_max_attribute
+from tests.workers import accumulating_recipe, running_max_attribute, unpicklable_last_value
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,7 +20,8 @@ def single_process(tmp_path_factory):
                                           epochs=1, checkpointer_cls=sb.utils.checkpoints.Checkpointer))
 
 
-@pytest.mark.parametrize("world_size,stream", [(1, False), (2, False), (3, False), (2, True), (3, True)],
+@pytest.mark.parametrize("world_size,stream", [(1, False), pytest.param(2, False, marks=pytest.mark.fast), (3, False),
+                                                    (2, True), (3, True)],
                          ids=["1", "2", "3", "2-stream", "3-stream"])
 def test_lists_counters_dicts_and_accumulators_equal_one_process(world_size, stream, single_process,
                                                                    tmp_path):
@@ -41,6 +42,7 @@ def test_lists_counters_dicts_and_accumulators_equal_one_process(world_size, str
         assert not [i for i in per_rank[2]["seen"] if i.startswith("tst")]
 
 
+@pytest.mark.fast
 def test_a_value_computed_from_its_previous_one_is_named_in_a_warning(tmp_path):
     """A running maximum cannot be merged (max of each rank's own batches);
     the ids of the last batch, set anew every batch, are (the global last)."""
@@ -63,3 +65,10 @@ def test_excluded_attribute_stays_rank_local_without_warning(tmp_path):
     per_rank = results(run_ranks(running_max_attribute, 2, str(tmp_path),
                                  {"attributes_exclude": ["best_batch_acc"]}, timeout=120))
     assert per_rank == [[], []]
+
+
+def test_a_last_value_that_cannot_be_sent_is_an_error_on_every_rank(tmp_path):
+    outcomes = run_ranks(unpicklable_last_value, 2, str(tmp_path), timeout=120)
+    for outcome in outcomes:
+        assert outcome.get("error") == "ConfigError", outcome
+        assert "'last_hook'" in outcome["message"] and "cannot be sent" in outcome["message"]

@@ -47,7 +47,8 @@ def several_settings(rank, world_size, directory, kind):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("kind", samplers.KINDS)
+@pytest.mark.parametrize("kind", [pytest.param("dynamic_random_order", marks=pytest.mark.fast),
+                                  *samplers.KINDS[:1], *samplers.KINDS[2:]])
 def test_samplers_that_change_per_pass_evaluate_every_utterance_once(kind, world_size, references, tmp_path):
     reference = references[kind]
     per_rank = results(run_ranks(several_settings, world_size, str(tmp_path), kind, timeout=200))
@@ -111,6 +112,7 @@ class ToyStream(__import__("torch").utils.data.IterableDataset):
         return (self.dataset[i] for i in self.order)
 
 
+@pytest.mark.fast
 def test_ranks_with_different_batches_fail_at_stage_start_naming_the_batch(tmp_path):
     outs = results(run_ranks(differing_sampler, 3, str(tmp_path), False, timeout=60))
     for out in outs:
@@ -147,6 +149,7 @@ class CountingBatches:
         return len(self.batches)
 
 
+@pytest.mark.fast
 def test_the_plan_is_built_once_per_stage_and_read_by_the_iteration():
     inner = CountingBatches([[0, 1], [2], [3, 4], [5]])
     sampler = ShardedBatchSampler(inner, rank=1, world_size=2)
@@ -157,6 +160,7 @@ def test_the_plan_is_built_once_per_stage_and_read_by_the_iteration():
     assert sampler.plan is not plan and sampler.global_batch_ids() == [1, 2]
 
 
+@pytest.mark.fast
 def test_a_debug_plan_holds_the_first_batches_only():
     inner = CountingBatches([[0], [1], [2], [3]])
     sampler = ShardedBatchSampler(inner, rank=0, world_size=1)
@@ -164,6 +168,7 @@ def test_a_debug_plan_holds_the_first_batches_only():
     assert list(sampler) == [[0], [1]]
 
 
+@pytest.mark.fast
 def test_plan_and_ledger_keep_batches_and_name_the_first_difference():
     batches = list(BatchSampler(SequentialSampler(range(7)), 3, drop_last=False))
     plan = BatchPlan(batches, names=[f"u{i}" for i in range(7)])

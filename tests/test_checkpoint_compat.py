@@ -1,7 +1,6 @@
 """Single-process: on-disk compatibility with SpeechBrain, skipping incomplete checkpoints."""
 
 import logging
-import time
 
 import pytest
 import speechbrain as sb
@@ -9,6 +8,8 @@ import torch
 
 import ddp_eval
 from ddp_eval.commit import MANIFEST_KEY
+
+pytestmark = pytest.mark.fast
 
 
 def _model(value):
@@ -46,10 +47,9 @@ def test_every_public_method_behaves_as_speechbrain(tmp_path):
     kept = {}
     for name, cls in (("sb", sb.utils.checkpoints.Checkpointer), ("ddp", ddp_eval.Checkpointer)):
         ck = cls(tmp_path / name, {"model": _model(1.0)})
-        for i, loss in enumerate([3.0, 1.0, 2.0, 5.0]):
-            ck.save_and_keep_only(meta={"loss": loss, "i": i}, min_keys=["loss"], num_to_keep=2,
-                                  importance_keys=[])
-            time.sleep(0.01)
+        for i, loss in enumerate([3.0, 1.0, 2.0, 5.0]):  # recency by the times in the meta
+            ck.save_and_keep_only(meta={"loss": loss, "i": i, "unixtime": 1000.0 + i}, min_keys=["loss"],
+                                  num_to_keep=2, importance_keys=[])
         assert ck.find_checkpoint(min_key="loss").meta["i"] == 1
         assert ck.find_checkpoint().meta["i"] == 3
         assert [c.meta["i"] for c in ck.find_checkpoints(max_key="loss")] == [3, 2, 1]
@@ -61,10 +61,9 @@ def test_every_public_method_behaves_as_speechbrain(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "delete_file", "garble_meta", "sb_missing_file"])
 def test_incomplete_checkpoint_is_skipped_with_warning(damage, tmp_path, caplog):
     ck = ddp_eval.Checkpointer(tmp_path, {"model": _model(1.0)})
-    good = ck.save_checkpoint(meta={"v": 1})
-    time.sleep(0.01)
+    good = ck.save_checkpoint(meta={"v": 1, "unixtime": 1.0})
     writer = sb.utils.checkpoints.Checkpointer if damage == "sb_missing_file" else ddp_eval.Checkpointer
-    bad = writer(tmp_path, {"model": _model(2.0)}).save_checkpoint(meta={"v": 2}, name="bad")
+    bad = writer(tmp_path, {"model": _model(2.0)}).save_checkpoint(meta={"v": 2, "unixtime": 2.0}, name="bad")
     model_file = bad.path / "model.ckpt"
     if damage == "truncate":
         model_file.write_bytes(model_file.read_bytes()[:100])

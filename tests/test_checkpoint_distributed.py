@@ -27,6 +27,7 @@ def _only_previous_checkpoint_loads(directory, version):
     assert not [p for p in os.listdir(directory) if p.startswith(TMP_PREFIX)]
 
 
+@pytest.mark.fast
 def test_disk_full_in_save_hook_fails_fast_on_all_ranks(tmp_path):
     timing = tmp_path / "timing"
     timing.mkdir()
@@ -172,6 +173,7 @@ def test_damaged_speechbrain_checkpoint_is_skipped_on_every_rank(damage, tmp_pat
     assert any(f"skipping incomplete checkpoint {bad.path}" in m for m in warnings), warnings
 
 
+@pytest.mark.fast
 def test_a_load_that_fails_names_checkpoint_and_file_on_every_rank(tmp_path):
     _, newest = _speechbrain_saves(tmp_path)
     (newest.path / "counter.ckpt").write_text("not a number")  # exists, not a zip: passes the checks

@@ -35,6 +35,7 @@ def test_payloads_in_rank_order_and_keys_do_not_pile_up(channels):
     assert channels.server.num_keys() - before <= 6
 
 
+@pytest.mark.fast
 def test_error_on_one_rank_is_raised_on_every_rank(channels):
     def fn(rank, ch):
         ch.exchange("before")
@@ -65,6 +66,7 @@ def test_rank_that_never_arrives_is_named_within_timeout(channels, missing):
     assert seconds < 5
 
 
+@pytest.mark.fast
 def test_rank_at_another_tag_raises_out_of_step_everywhere(channels):
     out = channels.run(lambda r, ch: ch.exchange("delete: end" if r == 5 else "valid end"))
     for r in range(N):
@@ -73,6 +75,7 @@ def test_rank_at_another_tag_raises_out_of_step_everywhere(channels):
         assert "'delete: end'" in str(error) and "'valid end'" in str(error)
 
 
+@pytest.mark.fast
 def test_keys_of_an_earlier_attempt_are_never_read(sim, monkeypatch):
     """A crashed attempt left envelopes and answers behind in the same store; the
     restarted attempt (next TORCHELASTIC_RESTART_COUNT) reads only its own."""
@@ -112,6 +115,7 @@ def test_store_requests_per_exchange_grow_linearly(world_size):
     assert counters[0].requests <= 8 + 3 * 14 + 4, counters[0].requests
 
 
+@pytest.mark.fast
 def test_coordinator_waits_until_every_rank_has_read_the_last_answer(channels):
     """Rank 0 may host the store: it must not leave while a rank still reads."""
     import threading

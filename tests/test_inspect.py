@@ -4,8 +4,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 
+import pytest
 import speechbrain as sb
 import torch
 
@@ -20,11 +20,13 @@ def _folder(tmp_path):
     def recoverables():
         return {"model": torch.nn.Linear(32, 32), "counter": sb.utils.epoch_loop.EpochCounter(5)}
 
-    ddp_eval.Checkpointer(tmp_path, recoverables()).save_checkpoint(meta={"loss": 3.0}, name="complete")
-    time.sleep(0.01)
-    sb.utils.checkpoints.Checkpointer(tmp_path, recoverables()).save_checkpoint(meta={"loss": 2.0}, name="sb")
-    time.sleep(0.01)
-    bad = ddp_eval.Checkpointer(tmp_path, recoverables()).save_checkpoint(meta={"loss": 1.0}, name="truncated")
+    # saved in this order, said by their times (recency orders checkpoints by unixtime)
+    ddp_eval.Checkpointer(tmp_path, recoverables()).save_checkpoint(meta={"loss": 3.0, "unixtime": 1.0},
+                                                                    name="complete")
+    sb.utils.checkpoints.Checkpointer(tmp_path, recoverables()).save_checkpoint(meta={"loss": 2.0, "unixtime": 2.0},
+                                                                                name="sb")
+    bad = ddp_eval.Checkpointer(tmp_path, recoverables()).save_checkpoint(meta={"loss": 1.0, "unixtime": 3.0},
+                                                                          name="truncated")
     model = bad.path / "model.ckpt"
     model.write_bytes(model.read_bytes()[:200])
     temporary = tmp_path / f"{TMP_PREFIX}CKPT+next.1a2b3c4d"
@@ -40,6 +42,7 @@ def _inspect(*args):
     return proc.stdout
 
 
+@pytest.mark.fast
 def test_inspect_names_every_status_and_the_checkpoint_resume_picks(tmp_path):
     recoverables = _folder(tmp_path)
     text = _inspect(tmp_path, "--min-key", "loss")

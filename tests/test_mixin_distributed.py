@@ -41,7 +41,7 @@ def _assert_same_metrics(dist_record, single_record):
         assert dist_record["scheduler"][1] == pytest.approx(single_record["scheduler"][1], rel=1e-6)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.fast), 3, 4, 5, 6, 8])
 def test_distributed_equals_single_process(world_size, single_process, tmp_path):
     """Valid (23 samples, batch 3: 8 batches), test (DynamicBatchSampler) and a
     2-sample set (ranks with nothing from world size 3 on) give single-process numbers."""
@@ -92,7 +92,8 @@ def test_sharding_switched_off_per_stage(single_process, tmp_path):
 
 @pytest.mark.parametrize("worker,bad_rank,error,where", [
     (fail_in_on_stage_end, 1, "ValueError: boom on purpose", "VALID on_stage_end"),
-    (fail_in_evaluation_loop, 2, "RuntimeError: bad utterance on purpose", "evaluate"),
+    pytest.param(fail_in_evaluation_loop, 2, "RuntimeError: bad utterance on purpose", "evaluate",
+                 marks=pytest.mark.fast),
 ], ids=["in-on_stage_end", "in-evaluation-loop"])
 def test_failure_on_one_rank_raises_on_all(worker, bad_rank, error, where, tmp_path):
     outcomes = run_ranks(worker, 3, str(tmp_path), bad_rank, timeout=60)
@@ -121,6 +122,7 @@ def test_collective_timeout_names_missing_rank(tmp_path):
     assert "CollectiveTimeoutError" in outcomes[2]["message"]
 
 
+@pytest.mark.fast
 def test_consistency_check_names_diverging_object_and_rank(tmp_path):
     outcomes = run_ranks(diverging_scheduler, 2, str(tmp_path), timeout=60)
     for outcome in outcomes:

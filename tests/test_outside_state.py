@@ -18,7 +18,7 @@ def single_process():
     return alignment.run(alignment.AlignBrain)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
 def test_unlisted_outside_state_is_named_in_a_warning(world_size):
     per_rank = results(run_ranks(alignment_example, world_size, None, timeout=150))
     warnings = per_rank[0]["warnings"]
@@ -44,6 +44,7 @@ def test_listed_outside_state_is_merged_and_equals_one_process(world_size, singl
             assert math.isclose(got[2], exp[2], rel_tol=1e-9), (got, exp)
 
 
+@pytest.mark.fast
 def test_a_beam_searchers_scratch_state_is_not_named_but_an_aligners_dict_is():
     """SpeechBrain's S2S beam searchers rewrite batch_size, n_bh, beam_offset and
     max_decode_steps on every call: no warning for them (every seq2seq recipe keeps

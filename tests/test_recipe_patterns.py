@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import speechbrain as sb
 
 from tests import patterns
 from tests.mp_harness import results, run_ranks
@@ -20,7 +21,7 @@ def references(tmp_path_factory):
     return {p: patterns.single_process(tmp_path_factory.mktemp(p), p) for p in patterns.PATTERNS}
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.fast), 3])
 def ranks(request, tmp_path_factory):
     """Every pattern on ``params`` ranks, in one process group."""
     folder = tmp_path_factory.mktemp(f"ranks{request.param}")
@@ -122,6 +123,7 @@ def test_a_module_learning_statistics_through_hparams_is_named(ranks):
 DEBUG = {"debug": True, "debug_batches": 2, "debug_epochs": 1}
 
 
+@pytest.mark.fast
 def test_a_debug_run_evaluates_the_global_batches_one_process_would(tmp_path):
     """--debug stops each loop after debug_batches: under sharding, counted in
     global batches, for loaders the mixin made and loaders the recipe built."""
@@ -134,3 +136,37 @@ def test_a_debug_run_evaluates_the_global_batches_one_process_would(tmp_path):
             assert sorted(i for o in outs for i in o[pattern]["seen"][stage]) == sorted(want[pattern]["seen"][stage])
         for out in outs:
             assert_records_equal(evaluation_records(out[pattern]), evaluation_records(want[pattern]))
+
+
+@pytest.mark.parametrize("pattern", ["files", "last_values"])
+def test_a_resumed_stage_keeps_what_its_journal_holds(pattern, tmp_path):
+    """TEST (9 utterances, 5 batches) interrupted after one batch per rank at 2
+    ranks, resumed at 3: the per-batch file and the last batch's values equal one
+    process."""
+    want = patterns.single_process(tmp_path / "single", pattern, n_test=9)
+    folder = str(tmp_path / "ranks")
+    first = results(run_ranks(patterns.interrupted_worker, 2, folder, pattern, True, 1, 9, timeout=200))
+    assert {out["error"] for out in first} <= {"Interrupted", "RankFailedError"}
+    # restarted as a recipe is: fit (the checkpoint's epochs are done: nothing to train), then TEST
+    resumed = results(run_ranks(patterns.interrupted_worker, 3, folder, pattern, True, None, 9, timeout=200))
+    assert len([i for o in resumed for i in o["seen"]["test"]]) < 9  # only what the journal lacked
+    for out in resumed:
+        test = evaluation_records(out)[-1]
+        expected = evaluation_records(want)[-1]
+        assert test["stage"] == "TEST" and math.isclose(test["loss"], expected["loss"], rel_tol=1e-9)
+        # main_acc: main-process-only, named (above); stats: its VALID entry is not
+        # checkpointed (HiFi-GAN's neither), and a restart trains no more epochs
+        for key in set(expected) - {"loss", "main_acc", "stats"}:
+            assert repr(test[key]) == repr(expected[key]), key
+        if pattern == "last_values":
+            assert test["stats"][sb.Stage.TEST] == expected["stats"][sb.Stage.TEST]
+    if pattern == "files":
+        assert resumed[0]["predictions"] == want["predictions"]
+        assert len(want["predictions"].splitlines()) == 9
+
+
+@pytest.mark.fast
+def test_an_ordinary_recipe_warns_about_nothing(tmp_path):
+    """Metric objects of every type, lists, counters, dicts and tensors, fit then
+    TEST with a rank that gets no TEST batch: nothing to name."""
+    assert results(run_ranks(patterns.ordinary_recipe, 3, str(tmp_path), timeout=200)) == [[], [], []]

@@ -37,7 +37,8 @@ def interrupt(directory, world_size, after, batch_size=2, stream=False):
     return outcomes
 
 
-@pytest.mark.parametrize("before,after,stream", [(2, 3, False), (3, 1, False), (2, 3, True)],
+@pytest.mark.parametrize("before,after,stream", [pytest.param(2, 3, False, marks=pytest.mark.fast),
+                                                          (3, 1, False), (2, 3, True)],
                          ids=["2-then-3", "3-then-1", "stream-2-then-3"])
 def test_interrupted_test_resumes_with_another_world_size_exactly(before, after, stream, tmp_path):
     workers.save_test_checkpoint(tmp_path)
@@ -100,6 +101,7 @@ def test_truncated_piece_is_skipped_and_its_batches_evaluated_again(tmp_path):
     assert f"skipping damaged journal piece {pieces[0]}" in " ".join(out[0]["notes"])
 
 
+@pytest.mark.fast
 def test_a_journal_that_cannot_be_written_leaves_the_evaluation_exact(tmp_path):
     """One process; resume_eval_dir below a file: every piece fails to be written."""
     workers.save_test_checkpoint(tmp_path)
@@ -111,6 +113,7 @@ def test_a_journal_that_cannot_be_written_leaves_the_evaluation_exact(tmp_path):
     assert len(failed) == 1 and "stops journaling this stage" in failed[0]
 
 
+@pytest.mark.fast
 def test_one_process_leaves_a_shuffled_loader_alone(tmp_path):
     """Sharding into one share only serves the journal: a shuffled TEST loader is not refused."""
     workers.save_test_checkpoint(tmp_path)

@@ -13,6 +13,8 @@ from ddp_eval.metrics import MetricFinder, MetricRecorder, merge_metric_stats
 from ddp_eval.sharding import ShardedBatchSampler, shard_batches
 from tests import toy
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("n,world", [(0, 3), (1, 4), (2, 3), (7, 2), (23, 4), (29, 3)])
 def test_shards_cover_every_batch_once(n, world):

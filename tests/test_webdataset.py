@@ -22,7 +22,7 @@ def single_process(shards):
     return streaming.evaluate(streaming.DigitBrain, shards)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
 def test_stream_dealt_by_batches_equals_one_process(world_size, shards, single_process):
     """100 utterances at batch 4 = 25 batches, dealt unevenly at 3 ranks (9, 8, 8).
     Every rank reads the stream and sees one process's numbers. (A streamed set with
@@ -37,6 +37,7 @@ def test_stream_dealt_by_batches_equals_one_process(world_size, shards, single_p
         assert math.isclose(out["loss"], single_process["loss"], rel_tol=1e-9)
 
 
+@pytest.mark.fast
 def test_stream_split_by_node_keeps_each_utterance_once(shards, single_process):
     """wds.split_by_node: each rank reads 2 of the 4 shards. Batches differ from one
     process, so the order and the running loss differ; each utterance is evaluated

@@ -275,3 +275,15 @@ def guarded_save_fails(rank, world_size, ckpt_dir):
         return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start,
                 "log": brain.log}
     return {"error": None}
+
+
+def unpicklable_last_value(rank, world_size, ckpt_dir):
+    """A Brain that binds an object that cannot be pickled in every batch: the one
+    of the globally last batch cannot be sent to the other ranks."""
+    class Unsendable(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
+        def compute_objectives(self, logits, batch, stage):
+            ids = list(batch.id)
+            self.last_hook = lambda: ids  # a local closure: not picklable
+            return super().compute_objectives(logits, batch, stage)
+
+    toy.run_accumulating(toy.build(Unsendable, ckpt_dir, epochs=1))
