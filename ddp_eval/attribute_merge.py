@@ -11,8 +11,9 @@ the lower index comes first.
   wins (its value: the object, or :data:`~ddp_eval.values.ELSEWHERE` while on its
   rank); a rank's object created once and changed no more counts as a binding.
 * ``FOLD``: every ``+``, ``-`` and ``=`` in global batch order; a value created
-  where there was none (``~``) is an initial addend if anything is added to the
-  attribute, else an assignment.
+  where there was none (``~``), or a dict entry's first change seen before it had
+  a probe (``?``), is an addend if anything is added to the attribute, else an
+  assignment.
 * ``APPEND``: entries in global batch order; ``KEYS``: new keys in the order of
   their first addition, entries merged one by one; ``SUM``: increments summed;
   ``ACCUMULATE``: increments in global batch order (per-rank totals, over the
@@ -100,6 +101,11 @@ _CREATED_ONCE = ("it did not exist before the stage, and each of several ranks c
                  "create it in on_stage_start (or use a collections.defaultdict or Counter)")
 
 
+_UNPROBED = ("it is an entry of a dict that gained many keys in the stage, and no batch changed it while it had "
+             "a probe, so ddp_eval cannot tell whether batches set it (=) or add to it (+=): it took the last "
+             "batch's value, as for =; create such entries in on_stage_start, or keep them in a dict of their own")
+
+
 def _merge_last(label: str, present: List[Tuple[int, Change]], result: "MergeResult") -> Optional[Merged]:
     in_place = [i for i, c in present if c.last is None]
     if in_place:
@@ -114,14 +120,31 @@ def _merge_last(label: str, present: List[Tuple[int, Change]], result: "MergeRes
     return Kind.LAST, dict(present)[winner].value
 
 
+def _one_each(positions: Sequence[float], items: Sequence[Any]):
+    """Chunks of :func:`in_global_order` of one item per position."""
+    return positions, [1] * len(items), items
+
+
 def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResult") -> Optional[list]:
-    events = sorted((position, index, n, op, x) for index, events in enumerate(per_contribution)
-                    for n, (position, op, x) in enumerate(events))
-    adds = any(op in "+-" for *_, op, _ in events)
-    if not adds and len({index for index, events in enumerate(per_contribution)
-                         if [op for _, op, _ in events] == ["~"]}) > 1:
+    events = in_global_order([_one_each([p for p, _, _ in events], [(op, x) for _, op, x in events])
+                              for events in per_contribution])
+    adds = any(op in "+-" for op, _ in events)
+    if not adds and sum([op for _, op, _ in events] in (["~"], ["?"]) for events in per_contribution) > 1:
         result.assumed[label] = _CREATED_ONCE
-    return [("+" if adds else "=", x) if op == "~" else (op, x) for *_, op, x in events]
+    elif not adds and not any(op == "=" for op, _ in events) and any(op == "?" for op, _ in events):
+        result.assumed[label] = _UNPROBED
+    return [_decided(op, x, adds) for op, x in events]
+
+
+def _decided(op: str, x: Any, adds: bool) -> Tuple[str, Any]:
+    """``~`` (created) and ``?`` (a dict entry's first change, ``(before, after)``):
+    addends if the label is added to anywhere, else assignments."""
+    if op == "~":
+        return ("+" if adds else "="), x
+    if op == "?":
+        before, after = x
+        return ("+", after - before) if adds else ("=", after)
+    return op, x
 
 
 def _merge_append(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> list:
@@ -171,9 +194,7 @@ def _merge_sum(label: str, per_contribution: Sequence[Any], result: "MergeResult
 
 def _merge_accumulate(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> list:
     if all(data[0] == "batches" for data in per_contribution):
-        pieces = [(p, index, n, inc) for index, (_, positions, incs) in enumerate(per_contribution)
-                  for n, (p, inc) in enumerate(zip(positions, incs))]
-        return [inc for *_, inc in sorted(pieces, key=lambda p: p[:3])]
+        return in_global_order([_one_each(positions, list(incs)) for _, positions, incs in per_contribution])
     totals = []
     for data in per_contribution:  # some rank went over budget: one total per rank, in rank order
         if data[0] == "total":

@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddp_eval.errors import ConfigError
 from ddp_eval.probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
-from ddp_eval.values import ABSENT, ELSEWHERE, Budget, Change, Kind, get_value, is_number, set_value
+from ddp_eval.values import ABSENT, ELSEWHERE, Budget, Change, Kind, get_value, is_mutable, is_number, set_value
 from ddp_eval.watches import ArrayWatch, DictWatch, ListWatch, TensorWatch, make_watch
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,11 @@ class Slot:
 
     Numbers are told by their probes: ``events`` holds ``(batch, op, operand)``
     with op ``+``, ``-``, ``=``, or ``~`` (created where there was none: an
-    initial value, or an assignment, which the merge tells apart).
+    initial value, or an assignment, which the merge tells apart). An entry of
+    a dict that gained many keys in the stage gets its probes only once it
+    changes again (most never do: one per utterance, set once); that change,
+    seen without a probe, is ``?`` with ``(before, after)``, an addend or an
+    assignment as its other changes, on any rank, tell.
     """
 
     def __init__(self, label: str, owner: Any, name: Any, budget: Budget, start: Any = None,
@@ -105,7 +109,12 @@ class Slot:
         self.assignments = 0
         self.created = False  # the first change bound an object where there was none
         self.events: List[Tuple[int, str, Any]] = []
+        # probes before every batch: an attribute, a dict entry there at stage start or
+        # one of a dict's first new keys; other entries (one per utterance, set once) once
+        # they change again (see watches.EAGER_NEW_KEYS)
+        self.hot = depth == 0 or self.start is not ABSENT
         self.changed_batches = 0
+        self.quiet = 0  # batches in a row that did not change it (a dict entry)
         self.probe = None
         self.watch = make_watch(self, self.start)
 
@@ -113,11 +122,16 @@ class Slot:
         if self.why is None:
             self.why = why
 
+    def busy(self) -> bool:
+        """Whether it needs a look at every batch (a number with probes, a container,
+        a tensor or an array); otherwise its identity tells whether a batch changed it."""
+        return self.why is None and ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj))
+
     def before_batch(self) -> None:
         """Puts a probe in place of a number (or lets dict entries do so)."""
         if self.why is not None:
             return
-        if type(self.obj) in PROBED_TYPES:
+        if type(self.obj) in PROBED_TYPES and self.hot:
             self.probe = probe(self.obj)
             set_value(self.owner, self.name, self.probe)
         else:
@@ -159,12 +173,17 @@ class Slot:
     def _bind(self, batch: int, value: Any) -> bool:
         """A batch bound a new object to the attribute (``=``)."""
         empty = self.obj is ABSENT or self.obj is None
-        if is_number(value) and (empty or (self.events and is_number(self.obj))):
+        if is_number(value) and (empty or (self.events and is_number(self.obj))
+                                 or (self.depth and type(self.obj) in PROBED_TYPES)):
             if type(value) not in PROBED_TYPES:
                 self.fail(f"a {type(value).__name__} changed, and ddp_eval tells = from += only for Python "
                           "int and float; convert it with float() or int()")
                 return True
-            self.events.append((batch, "~" if empty and not self.events else "=", value))
+            if empty:  # created where there was none
+                self.events.append((batch, "~" if not self.events else "=", value))
+            else:  # changed while it had no probe (a dict entry created during the stage)
+                self.events.append((batch, "?", (self.obj, value)))
+            self.hot = self.hot or not empty
             self.obj = value
             return True
         if is_number(self.obj) and not empty:
@@ -176,7 +195,8 @@ class Slot:
         self.created = self.assignments == 0 and (self.start is ABSENT or self.start is None)
         self.assignments += 1
         self.assigned_at, self.obj = batch, value
-        self.watch = make_watch(self, value, created_at=batch if self.created else None)
+        # created where there was none: its later growth may merge; bound anew: only its last value
+        self.watch = make_watch(self, value, created_at=batch if self.created else None, bound=not self.created)
         return True
 
     def adopt(self, batch: int, value: Any, initial: Any, ops: List[Tuple[str, Any]]) -> None:
@@ -185,6 +205,7 @@ class Slot:
         factory's value, as in one process, instead of being bound."""
         if is_number(initial):
             self.events = [(batch, "^", initial)] + [(batch, op, x) for op, x in ops]
+            self.hot = True  # a factory's count (d[k] += 1): probes from the next batch
             self.obj = plain(value)
             set_value(self.owner, self.name, self.obj)
         else:

@@ -515,33 +515,44 @@ def all_reduce_sum(values: Sequence[float]) -> List[float]:
     return tensor.cpu().tolist()
 
 
-def all_gather_bytes(blob: bytes) -> List[memoryview]:
-    """Gathers a byte string of any size from every rank, in rank order.
+def all_gather_bytes(*parts: bytes) -> List[List[memoryview]]:
+    """Gathers byte strings of any size from every rank, in rank order: for each
+    rank, the list of its ``parts``.
 
     The answers are views into one buffer (unpickle them straight from it):
-    besides that buffer (N times the longest string) only one padded copy of
-    ``blob`` is made, fewer copies than ``all_gather_object``.
+    besides that buffer (N times the longest rank's parts) only one padded copy
+    of the parts is made, fewer copies than ``all_gather_object``.
 
     Example
     -------
-    >>> [bytes(view) for view in all_gather_bytes(b"alone")]
-    [b'alone']
+    >>> [[bytes(view) for view in views] for views in all_gather_bytes(b"alone", b"")]
+    [[b'alone', b'']]
     """
     if not _active():
-        return [memoryview(blob)]
+        return [[memoryview(part) for part in parts]]
     device, world = _device(), dist.get_world_size()
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    size = torch.tensor([len(part) for part in parts], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
     dist.all_gather(sizes, size)
-    sizes = [int(s) for s in sizes]
-    longest = max(sizes)
+    sizes = [[int(n) for n in s.cpu()] for s in sizes]
+    longest = max(sum(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
-    memoryview(padded.numpy())[: len(blob)] = blob
+    view, offset = memoryview(padded.numpy()), 0
+    for part in parts:
+        view[offset: offset + len(part)] = part
+        offset += len(part)
     gathered = torch.empty(world * longest, dtype=torch.uint8, device=device)
     dist.all_gather(list(gathered.split(longest)), padded.to(device))
-    del padded
+    del padded, view
     flat = memoryview(gathered.cpu().numpy())
-    return [flat[r * longest: r * longest + sizes[r]] for r in range(world)]
+    out = []
+    for rank, rank_sizes in enumerate(sizes):
+        offset, views = rank * longest, []
+        for n in rank_sizes:
+            views.append(flat[offset: offset + n])
+            offset += n
+        out.append(views)
+    return out
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:

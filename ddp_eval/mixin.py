@@ -30,13 +30,15 @@ class DDPEvalMixin:
 
     * ``fit(valid_set=...)`` and ``evaluate(test_set)`` evaluate each batch on
       exactly one rank (the batches one process would build, dealt in snake
-      order), map-style and streaming sets alike; DDP buffers are broadcast from
-      rank 0 at stage start, so a rank without a batch never blocks the others;
+      order), map-style and streaming sets and loaders the recipe built alike;
+      DDP buffers are broadcast from rank 0 at stage start, so a rank without a
+      batch never blocks the others;
     * before ``on_stage_end``, the stage loss is reduced with ``all_reduce``
       (sums and counts), and every SpeechBrain metric object and every plain
-      attribute the stage grew (lists, dicts, counters, accumulators) is merged,
-      so ``on_stage_end`` runs on every rank with the single-process loss,
-      metrics and attributes (the TRAIN loss becomes the average over all ranks);
+      attribute the stage changed (lists, dicts, counters, arrays, values set
+      per batch) is merged, so ``on_stage_end`` runs on every rank with the
+      single-process loss, metrics and attributes (the TRAIN loss becomes the
+      average over all ranks); what cannot be merged is named in a warning;
     * an exception on one rank is raised on every rank, and every wait is
       bounded by ``ddp_eval: collective_timeout``.
 
@@ -73,8 +75,8 @@ class DDPEvalMixin:
         self._ddp_loaders: Dict[Any, Any] = {}
         self._ddp_stage: Optional[ShardedStage] = None  # the sharded VALID/TEST stage under way
         self._ddp_global_loss: Dict[Any, float] = {}
-        # Why instance wrappers: recipes override on_stage_start/on_stage_end
-        # without calling super(), so the sync is wrapped around the bound methods.
+        # Instance wrappers: recipes override on_stage_start/on_stage_end without
+        # calling super(), so the stage's bookkeeping wraps the bound methods.
         self.on_stage_start = self._ddp_wrap_stage_start(self.on_stage_start)
         self.on_stage_end = self._ddp_wrap_stage_end(self.on_stage_end)
 
@@ -121,11 +123,28 @@ class DDPEvalMixin:
             dist.settle()
         return self._ddp_global_loss.get(sb.Stage.TEST, local_loss)
 
-    def stage_output(self, path):
-        """The file to append a batch's results to, e.g. ``open(self.stage_output(
-        path), "a")``: during a sharded VALID/TEST batch, a part of ``path`` of this
-        rank's own, which rank 0 appends to ``path`` at stage end in one process's
-        batch order; anywhere else, ``path`` itself."""
+    def stage_output(self, path: Any) -> Any:
+        """The file a batch appends its results to (SLURP's ``predictions.jsonl``).
+
+        Arguments
+        ---------
+        path : str or path-like
+            The file the recipe appends to, e.g. ``open(self.stage_output(path), "a")``.
+
+        Returns
+        -------
+        str or path-like
+            During a sharded VALID/TEST batch, a part of ``path`` of this rank's
+            own, which rank 0 appends to ``path`` at stage end, in one process's
+            batch order; anywhere else, ``path`` itself.
+
+        Example
+        -------
+        >>> brain = DDPEvalMixin.__new__(DDPEvalMixin)
+        >>> brain._ddp_stage = None  # no sharded stage under way
+        >>> brain.stage_output("predictions.jsonl")
+        'predictions.jsonl'
+        """
         return self._ddp_stage.stage_output(path) if self._ddp_stage is not None else path
 
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
@@ -145,8 +164,9 @@ class DDPEvalMixin:
         try:
             return shard_dataloader(loader, self.ddp_eval_config.stream_split)
         except ConfigError as error:
-            logger.warning(f"ddp_eval: the {stage.name} loader the recipe built cannot be sharded, so every rank "
-                           f"evaluates all of it, as in SpeechBrain: {error}")
+            log = logger.warning if dist.get_world_size() > 1 else logger.info  # one process: only not journaled
+            log(f"ddp_eval: the {stage.name} loader the recipe built cannot be sharded, so every rank "
+                f"evaluates all of it, as in SpeechBrain: {error}")
             return loader
 
     @contextmanager

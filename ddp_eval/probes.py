@@ -42,21 +42,22 @@ PROBED_TYPES = (int, float)
 
 
 class _Probe:
-    """What the two probe classes share; ``_origin`` is the batch's first probe."""
+    """What the two probe classes share; ``_origin`` is the batch's first probe.
+    Class defaults keep a root probe to one attribute of its own (it is made for
+    every watched number before every batch)."""
 
-    def _link(self, origin: "_Probe", parent: Optional["_Probe"], op: Optional[str], operand: Any) -> "_Probe":
-        self._origin, self._parent, self._op, self._operand = origin, parent, op, operand
-        if origin is self:
-            self._used = False  # its value was used by something other than + and -
-            self._results: List[Tuple[Any, "_Probe", str, Any]] = []  # + or - results of another number type
-        return self
+    _parent = _op = _operand = None
+    _used = False  # on the origin: its value was used by something other than + and -
+    _results: Tuple = ()  # on the origin: (result, parent, op, operand) of + or - giving another number type
 
     def _derive(self, op: str, operand: Any, result: Any) -> Any:
         origin = self._origin
         if type(result) in _CLASSES:
-            return _CLASSES[type(result)](result)._link(origin, self, op, operand)
+            child = _CLASSES[type(result)](result)
+            child._origin, child._parent, child._op, child._operand = origin, self, op, operand
+            return child
         if isinstance(result, (int, float)) and not isinstance(result, bool):  # e.g. numpy.float64
-            origin._results.append((result, self, op, operand))
+            origin._results = origin._results + ((result, self, op, operand),)
         else:
             origin._used = True  # a tensor or array: not a number any more
         return result
@@ -105,7 +106,8 @@ def _base(value: Any) -> type:
 def probe(value: Any) -> Any:
     """A probe equal to ``value`` (an ``int`` or ``float``, not a subclass)."""
     root = _CLASSES[type(value)](value)
-    return root._link(root, None, None, None)
+    root._origin = root
+    return root
 
 
 def is_probe(value: Any) -> bool:

@@ -173,6 +173,10 @@ class ShardedStage:
         if dist.get_world_size() == 1 and not resumed:
             self._finish_alone()
             return local_loss  # one process that evaluated everything itself: nothing to merge
+        with _gc_paused():  # the merge makes and drops many small objects: no full collection in between
+            return self._merge_all(local_loss)
+
+    def _merge_all(self, local_loss: float) -> float:
         collected: Dict[str, Any] = {}
         per_rank = dist.decide(f"{self.stage.name} stage end", lambda: self._collect(collected))
         report = StageReport(self.stage.name, per_rank, self.config.on_unmergeable_attribute)
@@ -184,9 +188,9 @@ class ShardedStage:
         old_sum, old_count = self.resume.old_loss() if self.resume is not None else (0.0, 0)
         total, count = dist.all_reduce_sum([self.loss_sum + old_sum, self.loss_count + old_count])
         won = {path: blob for path, blob in collected["bound"].items() if report.winners.get(path) == dist.get_rank()}
-        with _gc_paused():  # unpickling many small objects triggers costly full GCs
-            gathered = [pickle.loads(view) for view in dist.all_gather_bytes(pickle.dumps((collected["packed"], won)))]
-            self._merge([pickle.loads(packed) for packed, _ in gathered], [w for _, w in gathered], objects, report)
+        gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
+        self._merge([pickle.loads(state) for state, _ in gathered], [pickle.loads(w) for _, w in gathered],
+                    objects, report)
         self.outputs.remove_parts()
         report.warn_effects()
         return total / count if count else 0.0

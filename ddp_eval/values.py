@@ -72,13 +72,21 @@ def is_number(value: Any) -> bool:
 
 
 def get_value(owner: Any, name: Any) -> Any:
-    """``owner.name`` (or ``owner[name]`` for a mapping); ``ABSENT`` if missing."""
-    if isinstance(owner, Mapping):
-        return dict.get(owner, name, ABSENT) if isinstance(owner, dict) else owner.get(name, ABSENT)
+    """``owner.name`` (or ``owner[name]`` for a mapping); ``ABSENT`` if missing.
+    A dict's entry is read without its ``defaultdict`` factory."""
+    if isinstance(owner, dict):
+        return dict.get(owner, name, ABSENT)
     own = getattr(owner, "__dict__", None)
     if own is not None and name in own:
         return own[name]
+    if isinstance(owner, Mapping):
+        return owner.get(name, ABSENT)
     return getattr(owner, name, ABSENT)
+
+
+def is_mutable(value: Any) -> bool:
+    """Whether a batch may change ``value`` in place in a way ddp_eval watches."""
+    return isinstance(value, (list, dict, torch.Tensor)) or is_array(value)
 
 
 def set_value(owner: Any, name: Any, value: Any) -> None:

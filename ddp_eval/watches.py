@@ -45,6 +45,7 @@ from ddp_eval.values import (
     exact_dtype,
     get_value,
     is_array,
+    is_mutable,
     is_number,
     nbytes,
     numpy,
@@ -52,6 +53,13 @@ from ddp_eval.values import (
 )
 
 logger = logging.getLogger(__name__)
+# New entries of a dict that gained at most this many keys in the stage get probes from
+# the next batch on (counters, stats); later ones (one per utterance, set once) once
+# they change again.
+EAGER_NEW_KEYS = 16
+# A dict entry whose number did not change for this many batches (with probes) is watched
+# by identity again; a later change is then seen without a probe (see Slot).
+QUIET_BATCHES = 8
 _warned_over_budget = set()  # labels warned about once per process
 
 
@@ -102,6 +110,29 @@ def _marker(obj: Any) -> Any:
     return tuple((k, id(v), len(v) if isinstance(v, (list, dict, set)) else None,
                   v._version if isinstance(v, torch.Tensor) else None, v if is_number(v) else None)
                  for k, v in sorted(state.items(), key=lambda kv: str(kv[0])))
+
+
+class BoundWatch(Watch):
+    """An object a batch bound anew (``self.last_batch = ...``): all that matters
+    is whether a later batch changes it in place (then it cannot be merged), so
+    only its size (a container's length, a tensor's ``_version``) is kept."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.size = _size(obj)
+
+    def observe(self, batch: int, value: Any) -> bool:
+        size = _size(value)
+        if size == self.size:
+            return False
+        self.size, self.last_change = size, batch
+        return True
+
+
+def _size(obj: Any) -> Any:
+    if isinstance(obj, (list, dict, set)):
+        return len(obj)
+    return obj._version if isinstance(obj, torch.Tensor) else None
 
 
 class ListWatch(Watch):
@@ -160,6 +191,7 @@ class DictWatch(Watch):
         self.room = SMALL_DICT if slot.depth < MAX_DEPTH else 0  # entries watched one by one
         keys = list(itertools.islice(obj, self.room)) if created_at is None else []
         self.entries = {key: self._entry(key, obj[key]) for key in keys}
+        self.active = {key for key, entry in self.entries.items() if entry.busy()}  # looked at every batch
         self.unwatched = [(key, obj[key]) for key in itertools.islice(obj, self.room, None)
                           ] if created_at is None else []  # references, compared at stage end
         self.factory = None
@@ -175,8 +207,8 @@ class DictWatch(Watch):
     def before_batch(self) -> None:
         if self.factory is not None:
             self.factory.made.clear()
-        for entry in self.entries.values():
-            entry.before_batch()
+        for key in self.active:  # the others hold what they held: nothing to prepare
+            self.entries[key].before_batch()
 
     def release(self) -> None:
         if self.factory is not None and self.obj.default_factory is self.factory:
@@ -195,20 +227,32 @@ class DictWatch(Watch):
             self.added.extend((batch, self.length))
             for key in new[: max(self.room - len(self.entries), 0)]:
                 entry = self.entries[key] = self._entry(key, ABSENT)
+                entry.hot = self.length - self.start_len <= EAGER_NEW_KEYS  # few new keys: counters, stats
                 made = self._made(value[key])
                 if made is not None:
                     entry.adopt(batch, value[key], *made)
                     adopted.add(key)
             changed = True
-        for key, entry in self.entries.items():
-            if key in adopted:
-                continue
+        active, get = self.active, value.get  # dict.get: no defaultdict factory
+        # entries that need a look (probes, containers), and the others whose object changed
+        looked = [(k, self.entries[k]) for k in active if k not in adopted]
+        looked += [(k, e) for k, e in self.entries.items() if k not in active and get(k, ABSENT) is not e.obj]
+        for key, entry in looked:
             before = entry.changed_batches
             entry.observe(batch)
             if entry.why is not None:
                 self.slot.fail(f"its entry {key!r}: {entry.why}")
                 return True
-            changed |= entry.changed_batches != before
+            if entry.changed_batches != before:
+                changed, entry.quiet = True, 0
+            else:
+                entry.quiet += 1
+            if entry.busy() and not (entry.depth and entry.quiet > QUIET_BATCHES and not is_mutable(entry.obj)):
+                active.add(key)
+            else:  # a number that stopped changing (one per utterance) is watched by identity again
+                active.discard(key)
+                entry.hot = entry.hot and not entry.quiet > QUIET_BATCHES
+        active.update(adopted)
         if changed:
             self.last_change = batch
         return changed
@@ -467,8 +511,11 @@ class ArrayWatch(Watch):
             set_value(self.slot.owner, self.slot.name, value.astype(self.spec[1], copy=False))
 
 
-def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None) -> Watch:
-    """The watch of ``obj``'s in-place changes, by its kind."""
+def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None, bound: bool = False) -> Watch:
+    """The watch of ``obj``'s in-place changes, by its kind (``bound``: an object a
+    batch bound anew, whose in-place changes are not merged)."""
+    if bound:
+        return BoundWatch(slot, obj)
     if isinstance(obj, list):
         return ListWatch(slot, obj, created_at)
     if isinstance(obj, dict):

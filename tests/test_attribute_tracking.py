@@ -258,3 +258,47 @@ def test_journal_pieces_merge_to_the_whole_stage():
     assert pieced["last"] == (Kind.LAST, "batch 9") and merged["last"] == (Kind.LAST, ELSEWHERE)
     assert torch.equal(pieced["counts"][1], merged["counts"][1])
     assert torch.equal(torch.stack(list(pieced["vec"][1])), torch.stack(list(merged["vec"][1])))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_dict_entries_created_during_the_stage_get_probes_once_they_change(layout):
+    """Entries a stage creates in a plain dict are watched by identity until they
+    change again (one per utterance, set once: no probe, no cost); that change,
+    seen without a probe, is told by the others: += or =, on any rank."""
+    def make():
+        return types.SimpleNamespace(stats={})
+
+    def batch(h, b):
+        for key, value in (("n", 0), ("last", 0), ("loss", 0.0)):
+            h.stats.setdefault(key, value)
+        h.stats["n"] += 2
+        h.stats["last"] = b * 10
+        h.stats["loss"] += 0.25 * b
+
+    single, holders, result = simulate(make, batch, layout)
+    if all(len(p) == 1 for p in layout):  # each rank created each entry once: = and += cannot be told
+        assert {"stats['n']", "stats['loss']"} <= set(result.assumed)
+        return
+    for holder in holders:
+        assert holder.stats["n"] == single.stats["n"] and holder.stats["last"] == single.stats["last"]
+        assert holder.stats["loss"] == pytest.approx(single.stats["loss"], rel=1e-15)
+    kinds = {label: kind for label, (kind, _) in result.merged["stats"][1][1].items()}
+    assert kinds == {"n": Kind.FOLD, "last": Kind.FOLD, "loss": Kind.FOLD}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_dict_of_one_entry_per_utterance_merges_in_order(layout):
+    """Past 64 entries a dict is watched by its new keys; past 16 new keys, new
+    entries get probes only once they change again."""
+    def batch(h, b):
+        for i in range(30):
+            h.scores[f"u{b}-{i}"] = 0.5 * i + b
+        h.scores["u0-0"] = h.scores.get("u0-0", 0.0) + 1.0 if b else h.scores["u0-0"]
+
+    single, holders, result = simulate(lambda: types.SimpleNamespace(scores={}), batch, layout)
+    if max(map(len, layout)) < 3:  # no rank changed u0-0 a third time, with a probe: named, not guessed
+        assert "scores['u0-0']" in result.assumed
+        for holder in holders + [single]:  # the other entries, and their order, are exact
+            holder.scores.pop("u0-0", None)
+    for holder in holders:
+        assert list(holder.scores.items()) == list(single.scores.items())
