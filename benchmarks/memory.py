@@ -148,7 +148,8 @@ def main():
               f"{e['overhead_mb']:+.0f} MB | {e['plain']['seconds']:.2f} / {e['mixin']['seconds']:.2f} |")
     pb = per_batch
     print(f"\nPer-batch bookkeeping over {pb['batches']} batches (ErrorRateStats, a list and a dict growing by 4 "
-          f"utterances a batch): {pb['us_per_batch_first_1000']:.0f} us a batch over the first 1000, "
+          "utterances a batch, a counter, a number set per batch, HiFi-GAN's last_loss_stats[stage] and last_batch): "
+          f"{pb['us_per_batch_first_1000']:.0f} us a batch over the first 1000, "
           f"{pb['us_per_batch_last_1000']:.0f} us over the last 1000; {pb['record_bytes_per_batch']:.0f} bytes of "
           "records kept a batch.")
 
