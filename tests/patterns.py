@@ -22,6 +22,7 @@ at 3 ranks, rank 2 evaluates no TEST batch).
 """
 
 import collections
+import contextlib
 import functools
 import importlib.util
 import io
@@ -37,7 +38,7 @@ import torch
 from speechbrain.dataio.batch import PaddedBatch
 from speechbrain.dataio.dataloader import LoopedLoader, SaveableDataLoader
 from speechbrain.processing.features import InputNormalization
-from speechbrain.utils.distributed import if_main_process
+from speechbrain.utils.distributed import MainProcessContext, if_main_process
 from speechbrain.utils.metric_stats import ErrorRateStats, MetricStats
 from torch.utils.data import DataLoader
 
@@ -94,8 +95,11 @@ class PatternBrain(toy.ToyBrain):
 
     def compute_forward(self, batch, stage):
         x, lens = batch.x
-        if self.pattern == "modules":
-            x = self.hparams.input_norm(x, lens)  # through hparams, not in modules, as EmoDia
+        if self.pattern == "modules":  # through hparams, not in modules, as EmoDia
+            # SpeechBrain 1.0.3's InputNormalization all-reduces every batch's statistics
+            # with ReduceOp.AVG, which gloo lacks: on CPU, TRAIN keeps them local, as 1.1 does.
+            with MainProcessContext() if stage == sb.Stage.TRAIN else contextlib.nullcontext():
+                x = self.hparams.input_norm(x, lens)
         mask = (torch.arange(x.shape[1])[None, :] < (lens * x.shape[1]).round()[:, None]).float()
         return self.modules.model((x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
 

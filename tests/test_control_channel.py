@@ -131,13 +131,19 @@ def test_coordinator_waits_until_every_rank_has_read_the_last_answer(channels):
 
             class Slow:
                 def __getattr__(self, name):
-                    if name in ("wait", "get"):
-                        release.wait(10)
-                    return getattr(original, name)
+                    if name not in ("wait", "get"):
+                        return getattr(original, name)
+                    release.wait(10)
+
+                    def timed(*args, **kwargs):  # when the answer was read, before the ack
+                        value = getattr(original, name)(*args, **kwargs)
+                        read_at[rank] = time.monotonic()
+                        return value
+
+                    return timed
 
             ch.store = Slow()
         out = ch.exchange("TEST on_stage_end")
-        read_at[rank] = time.monotonic()
         if rank == 0:
             threading.Timer(0.3, release.set).start()
             assert ch.wait_for_readers(timeout=10)
