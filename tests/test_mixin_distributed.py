@@ -92,8 +92,7 @@ def test_sharding_switched_off_per_stage(single_process, tmp_path):
 
 @pytest.mark.parametrize("worker,bad_rank,error,where", [
     (fail_in_on_stage_end, 1, "ValueError: boom on purpose", "VALID on_stage_end"),
-    pytest.param(fail_in_evaluation_loop, 2, "RuntimeError: bad utterance on purpose", "evaluate",
-                 marks=pytest.mark.fast),
+    (fail_in_evaluation_loop, 2, "RuntimeError: bad utterance on purpose", "evaluate"),
 ], ids=["in-on_stage_end", "in-evaluation-loop"])
 def test_failure_on_one_rank_raises_on_all(worker, bad_rank, error, where, tmp_path):
     outcomes = run_ranks(worker, 3, str(tmp_path), bad_rank, timeout=60)
