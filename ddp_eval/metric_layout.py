@@ -111,28 +111,36 @@ def complete(owner: Any, recorder: Any, layouts: Sequence[Mapping[str, Entry]], 
     if any(s != at_start[0] for s in at_start):
         differ = sorted(set.union(*at_start) - set.intersection(*at_start))
         raise _layout_error(stage, layouts, f"at stage start some ranks held {differ} and others not")
+    unmakeable = sorted(path for path in paths if any(path not in layout for layout in layouts)
+                        and not any(layout[path].factory or layout[path].maker for layout in layouts
+                                    if path in layout))
+    if unmakeable:  # decided from the layouts, so raised on every rank, not only where one is missing
+        raise ConfigError(
+            f"ddp_eval: at the end of {stage}, metric object '{unmakeable[0]}' was created during the stage on "
+            "some ranks, and the ranks that evaluated no batch that created it cannot make one configured the "
+            "same (its class needs arguments, or a fresh one differs). Create it in on_stage_start, or keep "
+            f"such objects in a collections.defaultdict whose factory makes them. All such objects: {unmakeable}")
     mine = recorder.objects
     for path in sorted(paths, key=lambda p: paths[p][0].created or 0.0):
         if path not in mine:
-            _make(owner, path, [layout[path] for layout in layouts if path in layout], stage)
+            _make(owner, path, [layout[path] for layout in layouts if path in layout])
     _order_containers(owner, layouts)
     recorder.objects = recorder.finder.rescan(owner)
     return recorder.objects
 
 
-def _make(owner: Any, path: str, entries: List[Entry], stage: str) -> None:
+def _make(owner: Any, path: str, entries: List[Entry]) -> None:
+    """Makes metric object ``path``, which :func:`complete` checked can be made."""
     entry = entries[0]
     container = getattr(owner, entry.attribute, None)
     if entry.key is not None and isinstance(container, collections.defaultdict) and container.default_factory:
         container[entry.key]  # made by its factory, as one process would
         return
     maker = next((e.maker for e in entries if e.maker is not None), None)
-    if maker is None:
-        raise ConfigError(
-            f"ddp_eval: at the end of {stage}, metric object '{path}' was created during the stage on some "
-            "ranks, and this rank, which evaluated no batch that created it, cannot make one configured the "
-            "same (its class needs arguments, or a fresh one differs). Create it in on_stage_start, or keep "
-            "such objects in a collections.defaultdict whose factory makes them.")
+    if maker is None:  # the defaultdict itself was made by a batch this rank did not evaluate
+        raise ConfigError(f"ddp_eval: metric object '{path}' lives in '{entry.attribute}', a collections."
+                          "defaultdict on the ranks that made it and not on this one: create the defaultdict "
+                          "in on_stage_start.")
     if entry.key is None:
         setattr(owner, entry.attribute, maker())
     else:

@@ -183,12 +183,13 @@ class ShardedStage:
         if report.stream_read[0] is not None:  # a stream's batches are known once read: checked here
             check_same_batches(describe_loader(self.loader, self.stage.name), report.stream_read,
                                self.loader.ledger)
-        objects = complete(self.brain, self.metrics, report.layouts, self.stage.name)
         report.raise_or_warn()
         old_sum, old_count = self.resume.old_loss() if self.resume is not None else (0.0, 0)
         total, count = dist.all_reduce_sum([self.loss_sum + old_sum, self.loss_count + old_count])
         won = {path: blob for path, blob in collected["bound"].items() if report.winners.get(path) == dist.get_rank()}
         gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
+        # after the last collective: a failure on this rank alone meets the others at on_stage_end's exchange
+        objects = complete(self.brain, self.metrics, report.layouts, self.stage.name)
         self._merge([pickle.loads(state) for state, _ in gathered], [pickle.loads(w) for _, w in gathered],
                     objects, report)
         self.outputs.remove_parts()

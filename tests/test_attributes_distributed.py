@@ -8,7 +8,7 @@ import speechbrain as sb
 
 from tests import toy
 from tests.mp_harness import results, run_ranks
-from tests.workers import accumulating_recipe, running_max_attribute, unpicklable_last_value
+from tests.workers import accumulating_recipe, running_max_attribute, unmakeable_metric_object, unpicklable_last_value
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,3 +72,14 @@ def test_a_last_value_that_cannot_be_sent_is_an_error_on_every_rank(tmp_path):
     for outcome in outcomes:
         assert outcome.get("error") == "ConfigError", outcome
         assert "'last_hook'" in outcome["message"] and "cannot be sent" in outcome["message"]
+
+
+def test_a_metric_object_no_rank_can_make_is_an_error_on_every_rank_at_once(tmp_path):
+    """Rank 2 evaluates no TEST batch (4 items at batch 3), so it lacks the
+    ErrorRateStats(split_tokens=True) the others created: every rank raises, not
+    only rank 2 while the others wait in the loss all_reduce."""
+    outcomes = results(run_ranks(unmakeable_metric_object, 3, str(tmp_path), timeout=90))
+    for outcome in outcomes:
+        assert outcome["error"] == "ConfigError", outcome
+        assert "metric object 'per_label[l" in outcome["message"] and "defaultdict" in outcome["message"]
+        assert outcome["seconds"] < 30, outcome

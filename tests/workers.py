@@ -287,3 +287,30 @@ def unpicklable_last_value(rank, world_size, ckpt_dir):
             return super().compute_objectives(logits, batch, stage)
 
     toy.run_accumulating(toy.build(Unsendable, ckpt_dir, epochs=1))
+
+
+def unmakeable_metric_object(rank, world_size, ckpt_dir):
+    """TEST creates one ErrorRateStats(split_tokens=True) per label, in a plain dict:
+    a rank without the batch that created one cannot make one configured the same."""
+    from speechbrain.utils.metric_stats import ErrorRateStats
+
+    class PerLabel(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
+        def on_stage_start(self, stage, epoch=None):
+            super().on_stage_start(stage, epoch)
+            self.per_label = {}
+
+        def compute_objectives(self, logits, batch, stage):
+            for utt, label in zip(batch.id, batch.label.data[:, 0].tolist()):
+                if stage == sb.Stage.TEST and f"l{label}" not in self.per_label:
+                    self.per_label[f"l{label}"] = ErrorRateStats(split_tokens=True)
+                if stage == sb.Stage.TEST:
+                    self.per_label[f"l{label}"].append([utt], [["a"]], [["a"]])
+            return super().compute_objectives(logits, batch, stage)
+
+    brain = toy.build(PerLabel, ckpt_dir, epochs=1, ddp_eval_opts={"collective_timeout": 60})
+    start = time.monotonic()
+    try:
+        toy.run_accumulating(brain)
+    except ddp_eval.DDPEvalError as error:
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    return {"error": None}
