@@ -72,7 +72,7 @@ def last_candidates(changes: Mapping[str, Change]) -> Dict[str, float]:
         label, change = stack.pop()
         if change.last is not None:
             found[label] = change.last
-        if change.kind is Kind.KEYS:
+        if change.kind in (Kind.KEYS, Kind.ITEMS):
             stack.extend((f"{label}[{key!r}]", entry) for key, entry in change.data["entries"].items())
     return found
 
@@ -128,7 +128,7 @@ def _one_each(positions: Sequence[float], items: Sequence[Any]):
 def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResult") -> Optional[list]:
     events = in_global_order([_one_each([p for p, _, _ in events], [(op, x) for _, op, x in events])
                               for events in per_contribution])
-    adds = any(op in "+-" for op, _ in events)
+    adds = any(op in ("+", "-", "&") for op, _ in events)
     if not adds and sum([op for _, op, _ in events] in (["~"], ["?"]) for events in per_contribution) > 1:
         result.assumed[label] = _CREATED_ONCE
     elif not adds and not any(op == "=" for op, _ in events) and any(op == "?" for op, _ in events):
@@ -139,8 +139,10 @@ def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResu
 def _decided(op: str, x: Any, adds: bool) -> Tuple[str, Any]:
     """``~`` (created) and ``?`` (a dict entry's first change, ``(before, after)``):
     addends if the label is added to anywhere, else assignments."""
-    if op == "~":
+    if op in ("~", "!"):  # created where there was none, or bound over None
         return ("+" if adds else "="), x
+    if op == "?&":  # a list rebuilt over an empty one: grown, or set anew
+        return ("&" if adds else "="), x
     if op == "?":
         before, after = x
         return ("+", after - before) if adds else ("=", after)
@@ -149,6 +151,28 @@ def _decided(op: str, x: Any, adds: bool) -> Tuple[str, Any]:
 
 def _merge_append(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> list:
     return in_global_order(per_contribution)
+
+
+def _merge_entries(label: str, per_contribution: Sequence[dict], result: "MergeResult") -> Dict[Any, Merged]:
+    """Each watched entry of a dict or list merged by its own rule."""
+    entry_changes: Dict[Any, Dict[int, Change]] = {}
+    for index, data in enumerate(per_contribution):
+        for key, change in data["entries"].items():
+            entry_changes.setdefault(key, {})[index] = change
+    entries = {}
+    for key, by_index in entry_changes.items():
+        merged = merge_changes(f"{label}[{key!r}]", [by_index.get(i) for i in range(len(per_contribution))],
+                               result)
+        if merged is not None:
+            entries[key] = merged
+    return entries
+
+
+def _merge_items(label: str, per_contribution: Sequence[dict], result: "MergeResult") -> Any:
+    """A list whose entries at stage start are watched: new entries in global
+    order, and each start entry merged by its own rule."""
+    added = in_global_order([data["added"] or ((), (), ()) for data in per_contribution])
+    return added, _merge_entries(label, per_contribution, result)
 
 
 def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResult") -> Any:
@@ -161,23 +185,15 @@ def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResu
                 first[key] = min(first.get(key, (position, index, n)), (position, index, n))
             offset += size
     order = sorted(first, key=first.get)
-    entry_changes: Dict[Any, Dict[int, Change]] = {}
-    for index, data in enumerate(per_contribution):
-        for key, change in data["entries"].items():
-            entry_changes.setdefault(key, {})[index] = change
-    entries = {}
-    for key, by_index in entry_changes.items():
-        merged = merge_changes(f"{label}[{key!r}]", [by_index.get(i) for i in range(len(per_contribution))],
-                               result)
-        if merged is not None:
-            entries[key] = merged
+    entries = _merge_entries(label, per_contribution, result)
+    entry_changes = {key for data in per_contribution for key in data["entries"]}
     taken: Dict[Any, Any] = {}
     setters: Dict[Any, int] = {}
     for index, data in enumerate(per_contribution):
         for key, value in list(data["taken"].items()) + list(data["replaced"].items()):
             if key in setters or key in entry_changes:
                 result.conflicts[f"{label}[{key!r}]"] = (
-                    f"set by batches of contributions {setters.get(key, min(entry_changes.get(key, {0: 0})))} and "
+                    f"set by batches of contributions {setters.get(key, 0)} and "
                     f"{index} in a dict of more than 64 entries, whose later entries ddp_eval keeps one value "
                     "each of; expected each key set once per stage (e.g. one per utterance id)")
                 continue
@@ -204,5 +220,6 @@ def _merge_accumulate(label: str, per_contribution: Sequence[Any], result: "Merg
     return totals
 
 
-_MERGERS = {Kind.FOLD: _merge_fold, Kind.APPEND: _merge_append, Kind.KEYS: _merge_keys, Kind.SUM: _merge_sum,
+_MERGERS = {Kind.FOLD: _merge_fold, Kind.APPEND: _merge_append, Kind.KEYS: _merge_keys, Kind.ITEMS: _merge_items,
+            Kind.SUM: _merge_sum,
             Kind.ACCUMULATE: _merge_accumulate}

@@ -51,8 +51,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddp_eval.errors import ConfigError
 from ddp_eval.probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
+from ddp_eval.rebuilt import extends, make_probe, plain_value, read_rebuilt, shares_entries
 from ddp_eval.values import ABSENT, ELSEWHERE, Budget, Change, Kind, get_value, is_mutable, is_number, set_value
-from ddp_eval.watches import ArrayWatch, DictWatch, ListWatch, TensorWatch, make_watch
+from ddp_eval.watches import ArrayWatch, BoundWatch, DictWatch, ListWatch, TensorWatch, make_watch
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class Slot:
         self.changed_batches = 0
         self.quiet = 0  # batches in a row that did not change it (a dict entry)
         self.probe = None
+        self.rebuilt_probe = None  # a tensor's or array's probe during a batch (ddp_eval.rebuilt)
+        self.over_none = False  # the first binding was over None (an assignment, not a creation)
         self.watch = make_watch(self, self.start)
 
     def fail(self, why: str) -> None:
@@ -135,6 +138,9 @@ class Slot:
             self.probe = probe(self.obj)
             set_value(self.owner, self.name, self.probe)
         else:
+            self.rebuilt_probe = make_probe(self.obj)
+            if self.rebuilt_probe is not None:
+                set_value(self.owner, self.name, self.rebuilt_probe)
             self.watch.before_batch()
 
     def observe(self, batch: int) -> None:
@@ -147,6 +153,8 @@ class Slot:
                 self.fail("it was deleted during the stage")
             return
         changed = self._observe_number(batch, value) if self.probe is not None else None
+        if self.rebuilt_probe is not None:
+            changed, value = self._observe_rebuilt(batch, value)
         if changed is None:
             changed = self.watch.observe(batch, value) if value is self.obj else self._bind(batch, value)
         self.changed_batches += bool(changed)
@@ -170,8 +178,58 @@ class Slot:
         set_value(self.owner, self.name, self.obj)
         return True
 
+    def _observe_rebuilt(self, batch: int, value: Any) -> Tuple[Optional[bool], Any]:
+        """What a batch did to a tensor or array, from its probe: ``(changed, value)``
+        (``changed`` None: see the watch, or a new object bound)."""
+        probe, self.rebuilt_probe = self.rebuilt_probe, None
+        what, data = read_rebuilt(probe, value)
+        if what == "same":
+            set_value(self.owner, self.name, self.obj)  # the plain tensor back
+            return None, self.obj
+        if what == "ops":
+            return self._rebuild(batch, plain_value(value), data), value
+        if what == "derived":
+            self.fail(f"a batch computed a new {type(data).__name__} from the previous one by more than +, - or "
+                      "concatenation along the first dimension (e.g. torch.maximum, a running mean), so ddp_eval "
+                      "cannot tell how to merge it; accumulate with += or torch.cat, or compute it in on_stage_end")
+            return True, value
+        set_value(self.owner, self.name, data)  # a new value; the probe is not left in the user's object
+        return None, data
+
+    def _rebuild(self, batch: int, value: Any, ops: List[Tuple[str, Any]]) -> bool:
+        """A batch bound a value computed from the previous one by ``+``, ``-`` or
+        concatenation: the operations are replayed at the merge, in global order."""
+        if self.watch.changes_after(-1 if self.assigned_at is None else self.assigned_at):
+            self.fail(f"it was changed in place, then a batch rebuilt it from its previous value")
+            return True
+        if self.assigned_at is not None and not self.events:  # the binding rebuilt from is the first event
+            self.events.append((self.assigned_at, "!" if self.over_none else "=", plain_value(self.obj)))
+            self.assigned_at, self.assignments, self.created = None, 0, False
+        elif not self.events and (self.start is ABSENT or self.start is None):
+            self.events.append((batch, "~", plain_value(self.obj)))
+        self.events.extend((batch, op, x) for op, x in ops)
+        self.obj = value
+        self.watch = BoundWatch(self, value)  # changed in place from now on: named at stage end
+        return True
+
     def _bind(self, batch: int, value: Any) -> bool:
         """A batch bound a new object to the attribute (``=``)."""
+        if isinstance(self.obj, (list, tuple)) and not self.watch.changes_after(
+                -1 if self.assigned_at is None else self.assigned_at):
+            grown = extends(self.obj, value)
+            if grown is not None:  # ids = ids + [utt]
+                return self._rebuild(batch, value, [(grown[0], [plain(x) for x in grown[1]] if isinstance(
+                    value, list) else tuple(plain(x) for x in grown[1]))])
+            if shares_entries(self.obj, value):
+                self.fail(f"a batch bound a {type(value).__name__} holding entries of the previous one, but not "
+                          "as the previous one followed by new entries (e.g. sorted(x + [y]), a filter), so ddp_eval "
+                          "cannot tell how to merge it; append, or compute it in on_stage_end")
+                return True
+        if self.events and not is_number(value) and not is_number(self.obj):  # set anew after rebuilds
+            self.events.append((batch, "=", plain_value(value)))
+            self.obj = value
+            self.watch = BoundWatch(self, value)
+            return True
         empty = self.obj is ABSENT or self.obj is None
         if is_number(value) and (empty or (self.events and is_number(self.obj))
                                  or (self.depth and type(self.obj) in PROBED_TYPES)):
@@ -179,8 +237,8 @@ class Slot:
                 self.fail(f"a {type(value).__name__} changed, and ddp_eval tells = from += only for Python "
                           "int and float; convert it with float() or int()")
                 return True
-            if empty:  # created where there was none
-                self.events.append((batch, "~" if not self.events else "=", value))
+            if empty:  # created where there was none, or bound over None (an assignment unless added to)
+                self.events.append((batch, ("~" if self.obj is ABSENT else "!") if not self.events else "=", value))
             else:  # changed while it had no probe (a dict entry created during the stage)
                 self.events.append((batch, "?", (self.obj, value)))
             self.hot = self.hot or not empty
@@ -192,7 +250,11 @@ class Slot:
         if self.events or self.watch.changes_after(-1 if self.assigned_at is None else self.assigned_at):
             self.fail(f"it was changed in place, then a batch bound a new {type(value).__name__} to it")
             return True
-        self.created = self.assignments == 0 and (self.start is ABSENT or self.start is None)
+        # created where there was none (its later growth may merge); over None, only a list or dict
+        # (`if self.x is None: self.x = []`): another value bound over None is set, not grown
+        self.created = self.assignments == 0 and (self.start is ABSENT or (
+            self.start is None and isinstance(value, (list, dict))))
+        self.over_none = self.over_none or (self.assignments == 0 and self.start is None)
         self.assignments += 1
         self.assigned_at, self.obj = batch, value
         # created where there was none: its later growth may merge; bound anew: only its last value
@@ -219,6 +281,10 @@ class Slot:
         if self.probe is not None:  # placed for a batch that did not come
             set_value(self.owner, self.name, plain(self.probe))
             self.probe = None
+        if self.rebuilt_probe is not None:
+            if get_value(self.owner, self.name) is self.rebuilt_probe:
+                set_value(self.owner, self.name, self.obj)
+            self.rebuilt_probe = None
         self.watch.release()
 
     def finish(self, batch: int) -> None:
@@ -229,6 +295,8 @@ class Slot:
             self.watch.finish()
         if self.assigned_at is not None and self.watch.changes_after(self.assigned_at) and not self.created:
             self.fail(f"a batch bound a new {type(self.obj).__name__} to it and later ones changed that in place")
+        if self.events and not is_number(self.obj) and self.watch.changes_after(-1):
+            self.fail(f"a batch rebuilt it as a new {type(self.obj).__name__} and later ones changed that in place")
 
     def kind(self) -> Optional[Kind]:
         """How this attribute's change merges; None if unchanged or unmergeable (no side effects)."""
@@ -275,7 +343,7 @@ class Slot:
             _apply_from_nothing(self, kind, data, last_value)
 
 
-_WATCHES = {Kind.APPEND: ListWatch, Kind.KEYS: DictWatch, Kind.SUM: (TensorWatch, ArrayWatch),
+_WATCHES = {Kind.APPEND: ListWatch, Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch, Kind.SUM: (TensorWatch, ArrayWatch),
             Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}
 
 
@@ -374,7 +442,7 @@ class AttributeTracker:
             slot = stack.pop()
             if slot.assigned_at is not None and slot.why is None:
                 found[slot.label] = plain(slot.obj)
-            if isinstance(slot.watch, DictWatch):
+            if isinstance(slot.watch, (DictWatch, ListWatch)):
                 stack.extend(slot.watch.entries.values())
         return found
 

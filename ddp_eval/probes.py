@@ -35,8 +35,9 @@ Example
 True
 """
 
-import operator
 from typing import Any, List, Optional, Tuple
+
+from ddp_eval.rebuilt import add, concat, subtract
 
 PROBED_TYPES = (int, float)
 
@@ -148,7 +149,7 @@ def read_changes(root: _Probe, value: Any) -> Tuple[str, Any]:
     return ("derived" if root._used else "set"), plain(value)
 
 
-_APPLY = {"+": operator.add, "-": operator.sub}
+_APPLY = {"+": add, "-": subtract, "&": concat}
 
 
 class _Unset:
@@ -179,6 +180,8 @@ def replay(start: Any, events: List[Tuple[str, Any]]) -> Any:
         if op == "^":
             value = operand if value is UNSET else value
         elif op == "=":
+            value = operand
+        elif value is UNSET and op in "+&":
             value = operand
         else:
             value = _APPLY[op](0 if value is UNSET else value, operand)

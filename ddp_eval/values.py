@@ -48,6 +48,7 @@ class Kind(str, enum.Enum):
     SUM = "sum"
     ACCUMULATE = "accumulate"
     LAST = "last"
+    ITEMS = "items"
 
 
 class Change(NamedTuple):
@@ -76,6 +77,8 @@ def get_value(owner: Any, name: Any) -> Any:
     A dict's entry is read without its ``defaultdict`` factory."""
     if isinstance(owner, dict):
         return dict.get(owner, name, ABSENT)
+    if isinstance(owner, list):
+        return owner[name] if name < len(owner) else ABSENT
     own = getattr(owner, "__dict__", None)
     if own is not None and name in own:
         return own[name]
@@ -91,7 +94,7 @@ def is_mutable(value: Any) -> bool:
 
 def set_value(owner: Any, name: Any, value: Any) -> None:
     """Binds ``owner.name`` (or ``owner[name]``) to ``value``."""
-    if isinstance(owner, dict):
+    if isinstance(owner, (dict, list)):
         owner[name] = value
     else:
         setattr(owner, name, value)

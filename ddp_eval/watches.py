@@ -15,7 +15,7 @@ Example
 >>> import types
 >>> from ddp_eval.attributes import Slot
 >>> from ddp_eval.values import Budget
->>> holder = types.SimpleNamespace(ids=["old"])
+>>> holder = types.SimpleNamespace(ids=[])
 >>> slot = Slot("ids", holder, "ids", Budget(1))
 >>> holder.ids += ["u1", "u2"]
 >>> slot.observe(0)
@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ddp_eval import sb_compat
+from ddp_eval.explain import Fingerprint, unexplained
 from ddp_eval.order import as_chunks, growth_since
 from ddp_eval.probes import PROBED_TYPES, Factory, plain
 from ddp_eval.values import (
@@ -69,7 +70,8 @@ class Watch:
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         self.slot, self.obj = slot, obj
         self.last_change: int = -1  # the newest batch that changed the object in place
-        self.marker = _marker(obj)
+        # what must still hold at stage end (see finish); the other watches record changes themselves
+        self.marker = _marker(obj) if type(self) is Watch else None
 
     def before_batch(self) -> None:
         pass
@@ -90,26 +92,24 @@ class Watch:
         return None
 
     def finish(self) -> None:
-        """At stage end: an object of another kind whose own attributes changed is named."""
-        if self.marker is not None and _marker(self.obj) != self.marker:
-            self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place; ddp_eval merges "
-                           "lists, dicts, numbers, tensors and NumPy arrays; keep the state in one of those")
+        """At stage end: an object whose contents changed although nothing was recorded is named."""
+        if unexplained(self.marker, self.obj):
+            self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place, which ddp_eval does "
+                           "not record (it merges lists that grow, dicts, numbers, tensors and NumPy arrays); "
+                           "keep the state in one of those, or compute it in on_stage_end")
 
     def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
         raise AssertionError(f"no in-place merge for {kind}")  # a Slot applies FOLD and LAST itself
 
 
-def _marker(obj: Any) -> Any:
-    """Cheap one-level view of an object's own state (sets, plain objects); None for
-    what cannot change or is watched otherwise."""
-    if isinstance(obj, (set, frozenset)):
-        return ("set", len(obj))
-    state = getattr(obj, "__dict__", None)
-    if state is None or isinstance(obj, (type, torch.nn.Module)) or callable(obj) or sb_compat.holds_scratch_state(obj):
+def _marker(obj: Any, depth: int = 4) -> Optional[Fingerprint]:
+    """The fingerprint of an object no watch follows (tuples, sets, plain objects),
+    checked at stage end; None for what cannot change or is watched otherwise."""
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, type, torch.nn.Module)):
         return None
-    return tuple((k, id(v), len(v) if isinstance(v, (list, dict, set)) else None,
-                  v._version if isinstance(v, torch.Tensor) else None, v if is_number(v) else None)
-                 for k, v in sorted(state.items(), key=lambda kv: str(kv[0])))
+    if callable(obj) or sb_compat.holds_scratch_state(obj):
+        return None
+    return Fingerprint.of(obj, depth)
 
 
 class BoundWatch(Watch):
@@ -120,6 +120,8 @@ class BoundWatch(Watch):
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         super().__init__(slot, obj)
         self.size = _size(obj)
+        # an object of another kind (a holder): its own attributes, one level deep, once per binding
+        self.marker = _marker(obj, depth=1) if self.size is None and not is_array(obj) else None
 
     def observe(self, batch: int, value: Any) -> bool:
         size = _size(value)
@@ -136,43 +138,123 @@ def _size(obj: Any) -> Any:
 
 
 class ListWatch(Watch):
-    """A list that only grows: its new entries, cut per batch (``APPEND``)."""
+    """A list that grows: its new entries, cut per batch (``APPEND``). A list that
+    held at most :data:`~ddp_eval.values.SMALL_DICT` entries at stage start
+    (``[0] * n_classes``, ``[[]]``) also has those entries watched one by one,
+    as a dict's are (``hist[label] += 1``, ``targets[0].extend(refs)``):
+    ``ITEMS``, its growth and its entries' changes."""
 
     def __init__(self, slot: Any, obj: list, created_at: Optional[int] = None) -> None:
         super().__init__(slot, obj)
-        self.marker = None
         self.start_len = 0 if created_at is not None else len(obj)
         self.length = self.start_len
         self.changes = array.array("q")  # batch, length after it, batch, length, ...
+        watched = created_at is None and 0 < len(obj) <= SMALL_DICT and slot.depth < MAX_DEPTH
+        self.entries = {i: _entry(self, i, obj[i]) for i in range(len(obj))} if watched else {}
+        self.active = {i for i, entry in self.entries.items() if entry.busy()}
+        # entries held at stage start and not watched one by one: they must stay as they were
+        self.kept = Fingerprint.of(obj) if created_at is None and obj and not watched else None
         if created_at is not None and obj:
             self.observe(created_at, obj)
 
+    def before_batch(self) -> None:
+        for i in self.active:
+            self.entries[i].before_batch()
+
+    def release(self) -> None:
+        for entry in self.entries.values():
+            entry.release()
+
     def observe(self, batch: int, value: list) -> bool:
+        changed = False
         if len(value) < self.length:
             self.slot.fail("entries were removed from the list")
-        elif len(value) > self.length:
+            return True
+        if len(value) > self.length:
             self.length = len(value)
             self.changes.extend((batch, self.length))
+            changed = True
+        if self.entries:
+            changed = _look_at_entries(self, batch, lambda i: value[i], set()) or changed
+        if changed:
             self.last_change = batch
-            return True
-        return False
+        return changed
 
     def kind(self) -> Optional[Kind]:
-        return Kind.APPEND if self.changes else None
+        if self.last_change < 0:
+            return None
+        return Kind.ITEMS if self.entries else Kind.APPEND
+
+    def finish(self) -> None:
+        """The entries the list held at stage start must be what the record says."""
+        _finish_entries(self)
+        if self.slot.why is None and unexplained(self.kept, self.obj[: self.start_len]):
+            self.slot.fail(f"entries it held at stage start (more than {SMALL_DICT}, so not watched one by one) "
+                           "were changed in place, which ddp_eval does not record for such lists; keep per-class "
+                           "counts in a tensor or a dict, or compute them in on_stage_end")
 
     def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
         batches, bounds = growth_since(self.changes, from_batch, self.start_len)
-        if not batches:
-            return None
-        return as_chunks(positions, batches, bounds, [plain(x) for x in self.obj[bounds[0]: bounds[-1]]])
+        added = as_chunks(positions, batches, bounds, [plain(x) for x in self.obj[bounds[0]: bounds[-1]]]
+                          ) if batches else None
+        if not self.entries:
+            return added
+        entries = {}
+        for i, entry in self.entries.items():
+            change = entry.change(positions, from_batch, piece)
+            if change is not None:
+                entries[i] = change
+        return {"added": added, "entries": entries} if added or entries else None
 
-    def apply(self, kind: Kind, items: list, last_value: Callable[[], Any]) -> None:
+    def apply(self, kind: Kind, merged: Any, last_value: Callable[[], Any]) -> None:
+        items, entries = merged if kind is Kind.ITEMS else (merged, {})
         current = get_value(self.slot.owner, self.slot.name)
         if not isinstance(current, list):
             current = []
             set_value(self.slot.owner, self.slot.name, current)
         del current[self.start_len if current is self.obj else 0:]
         current.extend(items)
+        for i, (entry_kind, data) in entries.items():
+            entry = self.entries[i]
+            entry.apply(entry_kind, data, lambda label=entry.label: last_value(label))
+
+
+def _entry(watch: Watch, key: Any, start: Any) -> Any:
+    """A slot for one entry of a watched dict or list."""
+    slot = watch.slot
+    return type(slot)(f"{slot.label}[{key!r}]", watch.obj, key, slot.budget, start=start, depth=slot.depth + 1)
+
+
+def _look_at_entries(watch: Any, batch: int, get: Callable[[Any], Any], adopted: set) -> bool:
+    """Observes the entries of a dict or list watch that need a look: those with
+    probes or containers, and the others whose object changed."""
+    changed, active = False, watch.active
+    looked = [(k, watch.entries[k]) for k in active if k not in adopted]
+    looked += [(k, e) for k, e in watch.entries.items() if k not in active and get(k) is not e.obj]
+    for key, entry in looked:
+        before = entry.changed_batches
+        entry.observe(batch)
+        if entry.why is not None:
+            watch.slot.fail(f"its entry {key!r}: {entry.why}")
+            return True
+        if entry.changed_batches != before:
+            changed, entry.quiet = True, 0
+        else:
+            entry.quiet += 1
+        if entry.busy() and not (entry.depth and entry.quiet > QUIET_BATCHES and not is_mutable(entry.obj)):
+            active.add(key)
+        else:  # a number that stopped changing (one per utterance) is watched by identity again
+            active.discard(key)
+            entry.hot = entry.hot and not entry.quiet > QUIET_BATCHES
+    active.update(adopted)
+    return changed
+
+
+def _finish_entries(watch: Any) -> None:
+    for key, entry in watch.entries.items():
+        entry.watch.finish()
+        if entry.why is not None:
+            watch.slot.fail(f"its entry {key!r}: {entry.why}")
 
 
 class DictWatch(Watch):
@@ -184,25 +266,20 @@ class DictWatch(Watch):
 
     def __init__(self, slot: Any, obj: dict, created_at: Optional[int] = None) -> None:
         super().__init__(slot, obj)
-        self.marker = None
         self.start_len = 0 if created_at is not None else len(obj)
         self.length = self.start_len
         self.added = array.array("q")  # batch, length after it, ...: new keys, as a list of keys
         self.room = SMALL_DICT if slot.depth < MAX_DEPTH else 0  # entries watched one by one
         keys = list(itertools.islice(obj, self.room)) if created_at is None else []
-        self.entries = {key: self._entry(key, obj[key]) for key in keys}
+        self.entries = {key: _entry(self, key, obj[key]) for key in keys}
         self.active = {key for key, entry in self.entries.items() if entry.busy()}  # looked at every batch
-        self.unwatched = [(key, obj[key]) for key in itertools.islice(obj, self.room, None)
-                          ] if created_at is None else []  # references, compared at stage end
+        self.unwatched = [(key, obj[key], _marker(obj[key])) for key in itertools.islice(obj, self.room, None)
+                          ] if created_at is None else []  # references and fingerprints, compared at stage end
         self.factory = None
         if isinstance(obj, collections.defaultdict) and obj.default_factory is not None:
             self.factory = obj.default_factory = Factory(obj.default_factory)
         if created_at is not None and obj:
             self.observe(created_at, obj)
-
-    def _entry(self, key: Any, start: Any) -> Any:
-        return type(self.slot)(f"{self.slot.label}[{key!r}]", self.obj, key, self.slot.budget, start=start,
-                               depth=self.slot.depth + 1)
 
     def before_batch(self) -> None:
         if self.factory is not None:
@@ -226,33 +303,15 @@ class DictWatch(Watch):
             self.length = len(value)
             self.added.extend((batch, self.length))
             for key in new[: max(self.room - len(self.entries), 0)]:
-                entry = self.entries[key] = self._entry(key, ABSENT)
+                entry = self.entries[key] = _entry(self, key, ABSENT)
                 entry.hot = self.length - self.start_len <= EAGER_NEW_KEYS  # few new keys: counters, stats
                 made = self._made(value[key])
                 if made is not None:
                     entry.adopt(batch, value[key], *made)
                     adopted.add(key)
             changed = True
-        active, get = self.active, value.get  # dict.get: no defaultdict factory
-        # entries that need a look (probes, containers), and the others whose object changed
-        looked = [(k, self.entries[k]) for k in active if k not in adopted]
-        looked += [(k, e) for k, e in self.entries.items() if k not in active and get(k, ABSENT) is not e.obj]
-        for key, entry in looked:
-            before = entry.changed_batches
-            entry.observe(batch)
-            if entry.why is not None:
-                self.slot.fail(f"its entry {key!r}: {entry.why}")
-                return True
-            if entry.changed_batches != before:
-                changed, entry.quiet = True, 0
-            else:
-                entry.quiet += 1
-            if entry.busy() and not (entry.depth and entry.quiet > QUIET_BATCHES and not is_mutable(entry.obj)):
-                active.add(key)
-            else:  # a number that stopped changing (one per utterance) is watched by identity again
-                active.discard(key)
-                entry.hot = entry.hot and not entry.quiet > QUIET_BATCHES
-        active.update(adopted)
+        get = value.get  # dict.get: no defaultdict factory
+        changed = _look_at_entries(self, batch, lambda k: get(k, ABSENT), adopted) or changed
         if changed:
             self.last_change = batch
         return changed
@@ -270,14 +329,17 @@ class DictWatch(Watch):
         return Kind.KEYS if self.last_change >= 0 or self._replaced() else None
 
     def _replaced(self) -> Dict[Any, Any]:
-        return {key: self.obj[key] for key, start in self.unwatched if dict.get(self.obj, key, ABSENT) is not start}
+        return {key: self.obj[key] for key, start, _ in self.unwatched
+                if dict.get(self.obj, key, ABSENT) is not start}
 
     def finish(self) -> None:
         self.release()
-        for key, entry in self.entries.items():
-            entry.watch.finish()
-            if entry.why is not None:
-                self.slot.fail(f"its entry {key!r}: {entry.why}")
+        _finish_entries(self)
+        for key, start, marker in self.unwatched:  # entries past the first 64: replaced, or as they were
+            if self.slot.why is None and dict.get(self.obj, key, ABSENT) is start and unexplained(marker, start):
+                self.slot.fail(f"its entry {key!r} (past the first {SMALL_DICT}, which are watched one by one) "
+                               "changed in place; ddp_eval takes such entries as set once: keep per-key state "
+                               f"that grows in a dict of at most {SMALL_DICT} keys, or compute it in on_stage_end")
 
     def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
         batches, bounds = growth_since(self.added, from_batch, self.start_len)
@@ -307,7 +369,7 @@ class DictWatch(Watch):
             if key not in held:
                 current[key] = value
         for key, (entry_kind, data) in entries.items():
-            entry = self.entries.get(key) or self._entry(key, ABSENT)
+            entry = self.entries.get(key) or _entry(self, key, ABSENT)
             entry.apply(entry_kind, data, lambda label=entry.label: last_value(label))
 
 
@@ -318,7 +380,6 @@ class TensorWatch(Watch):
 
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         super().__init__(slot, obj)
-        self.marker = None
         self.spec = (obj.shape, obj.dtype)
         self.version = obj._version
         self.base = None  # the start value on the CPU; None with a zero start
@@ -440,7 +501,6 @@ class ArrayWatch(Watch):
 
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         super().__init__(slot, obj)
-        self.marker = None
         self.spec = (obj.shape, obj.dtype)
         self.zero_start = created_at is not None
         self.base = numpy.zeros_like(obj) if self.zero_start else None

@@ -176,7 +176,8 @@ def test_bound_on_one_rank_and_changed_in_place_on_another_is_a_conflict():
             h.items.append(b)
 
     _, holders, result = simulate(make, batch, [[0, 2], [1]])
-    assert "bound new objects to it" in result.conflicts["items"]
+    # rank 1's new list over an empty one reads as a rebuild (items = items + [b]): either way, named
+    assert any(why in result.conflicts["items"] for why in ("bound new objects to it", "and as fold")), result
 
 
 def test_float_accumulators_replay_in_global_order_bit_for_bit():
@@ -215,7 +216,7 @@ def test_a_tensor_changed_in_place_without_room_for_its_start_copy_is_named():
     tracker.after_batch()
     changes, unmergeable = tracker.finish([4])
     assert "no room for its start copy" in unmergeable["table"]
-    assert changes["moved"].kind is Kind.LAST
+    assert changes["moved"].kind is Kind.FOLD and changes["moved"].data[0][1] == "+"
 
 
 def test_journal_pieces_merge_to_the_whole_stage():

@@ -1,0 +1,95 @@
+"""Fingerprints: does what the bookkeeping recorded explain a value's end state?
+
+The merge rebuilds what one process would hold from what each rank *recorded*
+(lists that grew, numbers changed by probes, tensors by ``_version``, ...).
+A change the recording did not see (``self.hist[label] += 1`` on a pre-sized
+list, ``self.targets[0].extend(refs)`` inside a list, a dict field of a metric
+object) would be merged as if it had not happened. So at stage start each
+watched value gets a :func:`fingerprint` of the part the recording promises not
+to change (a list's entries at stage start, a dict's entries no watch
+follows, a whole object no watch follows), and at stage end the same part is
+fingerprinted again: a difference is named, never merged.
+
+A fingerprint is cheap and flat in the number of batches: numbers, strings and
+small arrays by value, tensors by identity and ``_version``, containers entry
+by entry (four levels deep), other objects by identity and their own
+attributes. The objects it names by identity are held (:class:`Fingerprint`),
+so a freed object's address cannot come back as a look-alike.
+
+Example
+-------
+>>> hist = [0, 0, 0]
+>>> before = Fingerprint.of(hist)
+>>> hist[1] += 1
+>>> before.matches(hist)
+False
+>>> Fingerprint.of([[1], "a"]).matches([[1], "a"])
+True
+"""
+
+import zlib
+from typing import Any, List, Optional
+
+import torch
+
+from ddp_eval.values import is_array
+
+MAX_DEPTH = 4  # containers deeper than this are compared by identity and length
+SMALL_TENSOR = 64  # elements; a smaller tensor is also compared by value
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _leaf(value: Any, held: List[Any], depth: int) -> Any:
+    """A hashable summary of ``value`` (see the module's docstring)."""
+    kind = type(value)
+    if isinstance(value, _SCALARS):
+        return (kind.__name__ if kind in _SCALARS else "num", value if value == value else "nan")
+    if isinstance(value, torch.Tensor):
+        held.append(value)
+        small = value.numel() <= SMALL_TENSOR and value.device.type == "cpu"
+        return ("tensor", id(value), value._version, tuple(value.shape),
+                tuple(value.detach().reshape(-1).tolist()) if small else None)
+    if is_array(value):
+        held.append(value)
+        return ("array", id(value), value.shape, str(value.dtype), zlib.crc32(value.tobytes()))
+    if depth >= MAX_DEPTH:
+        held.append(value)
+        return ("deep", id(value), len(value) if isinstance(value, (list, tuple, dict, set)) else None)
+    if isinstance(value, (list, tuple)):
+        return (kind.__name__, tuple(_leaf(x, held, depth + 1) for x in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((_leaf(k, held, depth + 1), _leaf(v, held, depth + 1)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return ("set", len(value), hash(frozenset(map(id, value))) if not all(
+            isinstance(x, _SCALARS) for x in value) else hash(frozenset(value)))
+    held.append(value)
+    own = getattr(value, "__dict__", None)
+    if own is None or callable(value) or isinstance(value, (type, torch.nn.Module)):
+        return ("object", id(value))
+    return ("object", id(value), tuple((k, _leaf(v, held, depth + 1)) for k, v in sorted(own.items(), key=str)
+                                       if not callable(v)))
+
+
+class Fingerprint:
+    """The fingerprint of a value at one moment, holding what it names by identity."""
+
+    __slots__ = ("digest", "held", "top")
+
+    def __init__(self, digest: int, held: List[Any], top: int = 0) -> None:
+        self.digest, self.held, self.top = digest, held, top
+
+    @classmethod
+    def of(cls, value: Any, depth: int = MAX_DEPTH) -> "Fingerprint":
+        """The fingerprint of ``value``, ``depth`` levels deep (below: identity and length)."""
+        held: List[Any] = []
+        return cls(hash(_leaf(value, held, MAX_DEPTH - depth)), held, MAX_DEPTH - depth)
+
+    def matches(self, value: Any) -> bool:
+        """Whether ``value`` has the fingerprint this one was taken of."""
+        return hash(_leaf(value, [], self.top)) == self.digest
+
+
+def unexplained(start: Optional[Fingerprint], value: Any) -> bool:
+    """Whether ``value`` differs from the state ``start`` was taken of (None: unchecked)."""
+    return start is not None and not start.matches(value)

@@ -1,0 +1,272 @@
+"""Telling ``x = x + y`` from ``x = f(batch)`` for tensors, arrays, lists and tuples.
+
+A batch that rebuilds a value from its previous one (``x = x + y``, ``x =
+torch.cat([x, y])``, ``ids = ids + [utt]``) binds a new object, as a batch that
+sets it anew does (``self.last_attn = attn``). Merged as "the last batch's
+value", the first would keep one rank's partial result. So:
+
+* lists and tuples: a new one whose first entries *are* the old one's entries
+  (identity) extends it: ``("&", tail)``, replayed as concatenation in global
+  batch order; over an empty one this cannot be told from a new value
+  (``"?&"``, decided by the other batches at the merge);
+* tensors and NumPy arrays: before each batch a *probe* stands in the
+  attribute, an alias of the same data (:class:`TensorProbe`, :class:`ArrayProbe`)
+  that notes what the batch computes from it: ``+`` / ``-`` of another value and
+  concatenation along the first dimension are replayed; any other use of its
+  value (``torch.maximum``, a running mean, a comparison) makes a new value
+  *derived* from the old one, which is named, never merged.
+
+Example
+-------
+>>> import torch
+>>> x = torch.zeros(2)
+>>> p = tensor_probe(x)
+>>> y = p + torch.ones(2)
+>>> read_rebuilt(p, y), read_rebuilt(p, p)
+(('ops', [('+', tensor([1., 1.]))]), ('same', None))
+>>> read_rebuilt(tensor_probe(x), torch.ones(2))[0]
+'set'
+>>> q = tensor_probe(x)
+>>> read_rebuilt(q, torch.maximum(q, torch.ones(2)))[0]
+'derived'
+>>> extends([1.5, "a"], [1.5, "a", "b"]), extends([], ["b"])
+(('&', ['b']), ('?&', ['b']))
+"""
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from ddp_eval.values import numpy
+
+_ADD = {"add", "__add__", "__radd__", "__iadd__"}
+_SUB = {"sub", "__sub__"}
+_CAT = {"cat", "concat", "concatenate"}
+# what reads no value: metadata, and the attribute look-ups that give it
+_NO_READ = {"__get__", "size", "dim", "numel", "nelement", "ndimension", "data_ptr", "element_size", "stride",
+            "storage_offset", "is_floating_point", "is_complex", "is_contiguous", "get_device", "__len__",
+            "__hash__", "__reduce_ex__", "__deepcopy__", "__setstate__", "detach", "cpu", "to", "clone",
+            "__repr__", "__format__"}
+
+
+class _Record:
+    """What a batch computed from one probe: ``results`` of ``+``, ``-`` and
+    concatenation, and whether the value was used otherwise."""
+
+    __slots__ = ("root", "used", "results")
+
+    def __init__(self, root: Any) -> None:
+        self.root, self.used, self.results = root, False, []
+
+    def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        root = self.root
+        if name in _NO_READ or out is root:  # metadata, or changed in place (seen by _version)
+            return
+        if name in _ADD and len(args) == 2 and not kwargs and any(a is root for a in args):
+            self.results.append((out, "+", args[1] if args[0] is root else args[0]))
+        elif name in _SUB and len(args) == 2 and not kwargs and args[0] is root:
+            self.results.append((out, "-", args[1]))
+        elif (name in _CAT and args and isinstance(args[0], (list, tuple)) and args[0] and args[0][0] is root
+              and _axis(args, kwargs) == 0 and len(args) <= 2):
+            rest = [_plain(x) for x in args[0][1:]]
+            tail = rest[0] if len(rest) == 1 else _cat(rest)
+            self.results.append((out, "&", tail))
+        else:
+            self.used = True
+
+
+def _axis(args: tuple, kwargs: dict) -> int:
+    axis = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    return 0 if axis is None else axis
+
+
+class TensorProbe(torch.Tensor):
+    """An alias of a watched tensor (same storage, same ``_version``) that notes
+    what a batch computes from it; results are plain tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        record = _find_record(args)
+        if record is not None:
+            record.note(getattr(func, "__name__", ""), args, kwargs, out)
+        return out
+
+
+def _find_record(args: Any) -> Optional[_Record]:
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            found = _find_record(arg)
+            if found is not None:
+                return found
+        record = getattr(arg, "_ddp_record", None) if isinstance(arg, (torch.Tensor, _ARRAY_TYPES)) else None
+        if record is not None:
+            return record
+    return None
+
+
+def tensor_probe(tensor: torch.Tensor) -> TensorProbe:
+    """A probe standing in for ``tensor`` during one batch."""
+    probe = tensor.as_subclass(TensorProbe)
+    probe._ddp_record = _Record(probe)
+    return probe
+
+
+if numpy is not None:
+    class ArrayProbe(numpy.ndarray):
+        """A view of a watched NumPy array that notes what a batch computes from it."""
+
+        def __array_finalize__(self, obj):
+            # views of the probe (x[0:2]) report uses to the same record, as uses
+            record = getattr(obj, "_ddp_record", None)
+            self._ddp_record = None if record is None else _Used(record)
+
+        def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+            args = tuple(_plain(x) for x in inputs)
+            if out is not None:
+                kwargs["out"] = tuple(_plain(x) for x in out)
+            result = getattr(ufunc, method)(*args, **kwargs)
+            if out is not None and any(o is self for o in out):
+                return self  # in place (x += y): the array watch compares contents
+            name = {numpy.add: "add", numpy.subtract: "sub"}.get(ufunc, ufunc.__name__) if method == "__call__" \
+                else method
+            record = _find_record(inputs)
+            if record is not None:
+                record.note(name, inputs, {}, result)
+            return result
+
+        def __array_function__(self, func, types, args, kwargs):
+            result = func(*_unwrap(args), **kwargs)
+            record = _find_record(args)
+            if record is not None:
+                record.note(func.__name__, args, kwargs, result)
+            return result
+
+    _ARRAY_TYPES: tuple = (numpy.ndarray,)
+else:  # pragma: no cover - torch installs numpy
+    ArrayProbe = None
+    _ARRAY_TYPES = ()
+
+
+class _Used:
+    """The record seen through a view of a probe: every use is a use."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Any) -> None:
+        self.record = record if isinstance(record, _Record) else record.record
+
+    def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if name not in _NO_READ:
+            self.record.used = True
+
+
+def array_probe(array: Any) -> Any:
+    """A probe standing in for a NumPy ``array`` during one batch."""
+    probe = array.view(ArrayProbe)
+    probe._ddp_record = _Record(probe)
+    return probe
+
+
+def _unwrap(args: Any) -> Any:
+    if isinstance(args, (list, tuple)):
+        return type(args)(_unwrap(a) for a in args)
+    return _plain(args)
+
+
+def _plain(value: Any) -> Any:
+    """A probe as the plain tensor or array it stands for; anything else as it is."""
+    if isinstance(value, TensorProbe):
+        return value.as_subclass(torch.Tensor)
+    if ArrayProbe is not None and isinstance(value, ArrayProbe):
+        return value.view(numpy.ndarray)
+    return value
+
+
+plain_value = _plain
+
+
+def make_probe(value: Any) -> Any:
+    """A probe for a tensor or array attribute, or None for other values."""
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        return tensor_probe(value)
+    if numpy is not None and type(value) is numpy.ndarray:
+        return array_probe(value)
+    return None
+
+
+def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:
+    """What a batch did to a tensor or array attribute, from its probe and what
+    the attribute holds after the batch: ``("same", None)`` (the probe: at most
+    changed in place), ``("ops", [(op, operand)])`` (rebuilt by ``+``, ``-`` or
+    concatenation), ``("set", value)`` (a new value, the old one unused) or
+    ``("derived", value)`` (a new value, the old one used otherwise)."""
+    record = probe._ddp_record
+    if value is probe:
+        return "same", None
+    for out, op, operand in record.results:
+        if out is value:
+            return "ops", [(op, _copy(operand))]
+    return ("derived" if record.used or record.results else "set"), _plain(value)
+
+
+def _copy(operand: Any) -> Any:
+    """An operand as it travels: on the CPU, detached, a copy (the batch may reuse its buffer)."""
+    if isinstance(operand, torch.Tensor):
+        return _plain(operand).detach().to("cpu", copy=True)
+    if numpy is not None and isinstance(operand, numpy.ndarray):
+        return numpy.array(_plain(operand))
+    return operand
+
+
+def extends(old: Any, new: Any) -> Optional[Tuple[str, Any]]:
+    """``("&", tail)`` if list or tuple ``new`` is ``old`` with entries appended
+    (its first entries are ``old``'s, by identity), ``("?&", tail)`` over an
+    empty ``old``, else None."""
+    if type(new) is not type(old) or not isinstance(new, (list, tuple)) or len(new) < len(old):
+        return None
+    if any(a is not b for a, b in zip(old, new)):
+        return None
+    return ("&" if old else "?&"), new[len(old):]
+
+
+def shares_entries(old: Any, new: Any) -> bool:
+    """Whether list or tuple ``new`` holds an entry of ``old`` by identity (floats and
+    objects, not small ints, strings or None, which Python shares): ``sorted(old +
+    [x])`` and the like, a value derived from the old one."""
+    if not isinstance(old, (list, tuple)) or not isinstance(new, (list, tuple)):
+        return False
+    held = {id(x) for x in old if not isinstance(x, (int, str, bytes, type(None)))}
+    return bool(held) and any(id(x) in held for x in new)
+
+
+def _on_device_of(a: Any, b: Any) -> Any:
+    return b.to(a.device) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else b
+
+
+def add(a: Any, b: Any) -> Any:
+    """``a + b``, a tensor operand moved to ``a``'s device."""
+    return a + _on_device_of(a, b)
+
+
+def subtract(a: Any, b: Any) -> Any:
+    """``a - b``, a tensor operand moved to ``a``'s device."""
+    return a - _on_device_of(a, b)
+
+
+def concat(a: Any, b: Any) -> Any:
+    """``a`` followed by ``b``: ``torch.cat``, ``numpy.concatenate`` or ``+``."""
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b.to(a.device)])
+    if numpy is not None and isinstance(a, numpy.ndarray):
+        return numpy.concatenate([a, b])
+    return a + b
+
+
+def _cat(pieces: List[Any]) -> Any:
+    out = pieces[0]
+    for piece in pieces[1:]:
+        out = concat(out, piece)
+    return out
