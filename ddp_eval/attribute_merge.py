@@ -101,6 +101,12 @@ _CREATED_ONCE = ("it did not exist before the stage, and each of several ranks c
                  "create it in on_stage_start (or use a collections.defaultdict or Counter)")
 
 
+_REBUILT_ONCE = ("each of several ranks bound it once, over the empty list or tuple it held, and no rank saw a "
+                 "second batch, so ddp_eval cannot tell whether every batch sets it (x = [...]) or extends it "
+                 "(x = x + [...]): it took the last batch's value, as for =; if batches extend it, append in place "
+                 "(x.append, x.extend)")
+
+
 _UNPROBED = ("it is an entry of a dict that gained many keys in the stage, and no batch changed it while it had "
              "a probe, so ddp_eval cannot tell whether batches set it (=) or add to it (+=): it took the last "
              "batch's value, as for =; create such entries in on_stage_start, or keep them in a dict of their own")
@@ -131,6 +137,9 @@ def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResu
     adds = any(op in ("+", "-", "&") for op, _ in events)
     if not adds and sum([op for _, op, _ in events] in (["~"], ["?"]) for events in per_contribution) > 1:
         result.assumed[label] = _CREATED_ONCE
+    elif not adds and sum([op for _, op, _ in events] == ["?&"] for events in per_contribution) > 1 and not any(
+            op == "=" for op, _ in events):
+        result.assumed[label] = _REBUILT_ONCE
     elif not adds and not any(op == "=" for op, _ in events) and any(op == "?" for op, _ in events):
         result.assumed[label] = _UNPROBED
     return [_decided(op, x, adds) for op, x in events]

@@ -43,6 +43,7 @@ from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 
 from ddp_eval import sb_compat
 from ddp_eval.errors import ConfigError
+from ddp_eval.explain import Fingerprint, unexplained
 from ddp_eval.metric_merge import merge_metric_stats  # noqa: F401 - also public here
 from ddp_eval.order import growth_since
 from ddp_eval.probes import plain
@@ -172,12 +173,14 @@ def all_flat(objects: Mapping[str, Any]) -> Iterable[Tuple[str, Any]]:
         yield from _flatten(top, obj, seen)
 
 
-def _fields(sub: Any, nested: Iterable[str] = None) -> Iterable[Tuple[str, Any]]:
+def _fields(sub: Any, nested: Iterable[str] = None, skip: Iterable[str] = ()) -> Iterable[Tuple[str, Any]]:
     """``(field, list or number)`` of a metric object; each list of a field that
     holds a fixed list of growing lists (:data:`ddp_eval.sb_compat.NESTED_LIST_FIELDS`)
-    as ``name[i]``."""
+    as ``name[i]``; fields in ``skip`` are watched as attributes (:func:`field_targets`)."""
     nested = sb_compat.nested_list_fields(sub) if nested is None else nested
     for name, value in vars(sub).items():
+        if name in skip:
+            continue
         if isinstance(value, list):
             if name in nested:
                 for i, inner in enumerate(value):
@@ -188,10 +191,35 @@ def _fields(sub: Any, nested: Iterable[str] = None) -> Iterable[Tuple[str, Any]]
             yield name, value
 
 
-def snapshot(objects: Mapping[str, Any]) -> Snapshot:
+def snapshot(objects: Mapping[str, Any], slotted: Mapping[str, Iterable[str]] = {}) -> Snapshot:
     """Records list lengths and numeric fields of every (nested) metric object."""
-    return {path: {name: len(v) if isinstance(v, list) else v for name, v in _fields(sub)}
+    return {path: {name: len(v) if isinstance(v, list) else v for name, v in _fields(sub, skip=slotted.get(path, ()))}
             for path, sub in all_flat(objects)}
+
+
+def _merged_elsewhere(value: Any) -> bool:
+    """A field the metric merge does not own: metric objects it holds, callables, a summary."""
+    if isinstance(value, METRIC_TYPES) or callable(value):
+        return True
+    return isinstance(value, dict) and any(isinstance(v, METRIC_TYPES) for v in value.values())
+
+
+def field_targets(objects: Mapping[str, Any]) -> Dict[str, Tuple[Any, str]]:
+    """``{label: (metric object, field)}`` of the fields of the metric objects held
+    at stage start that are watched and merged as Brain attributes are (one
+    engine: dicts, tensors, arrays, sets, strings, numbers, lists of lists, any
+    kind): every field but flat lists (merged per batch by the recorder), the
+    nested lists SpeechBrain declares, metric objects it holds and callables."""
+    targets = {}
+    for path, sub in all_flat(objects):
+        nested = sb_compat.nested_list_fields(sub)
+        for name, value in vars(sub).items():
+            flat = isinstance(value, list) and not (value and all(isinstance(x, list) for x in value))
+            if flat or name in nested or name == "summary" or _merged_elsewhere(value) or (
+                    isinstance(sub, MultiMetricStats) and name == "metrics"):  # its metric objects, made per key
+                continue
+            targets[f"{path}.{name}"] = (sub, name)
+    return targets
 
 
 def _pack(items: list) -> Any:
@@ -222,7 +250,12 @@ class MetricRecorder:
     def __init__(self, finder: MetricFinder, owner: Any) -> None:
         self.finder = finder
         self.objects = finder.find(owner)
-        self.start: Snapshot = snapshot(self.objects)
+        self.fields = field_targets(self.objects)  # watched by the attribute tracker
+        self.slotted: Dict[str, set] = {}
+        for label, (sub, name) in self.fields.items():
+            self.slotted.setdefault(label[: -len(name) - 1], set()).add(name)
+        self.start: Snapshot = snapshot(self.objects, self.slotted)
+        self.start_fields = {path: set(vars(sub)) for path, sub in all_flat(self.objects)}
         self.batches = 0
         self._piece_from, self._piece_numbers = 0, self.start
         self._last: Dict[Tuple[str, str], int] = {}
@@ -231,10 +264,14 @@ class MetricRecorder:
         self.baselines: Snapshot = {}  # numbers of a fresh object, of objects created during the stage
         self.shrunk: Dict[str, str] = {}  # path.field -> what happened
         self.changed_batches: Dict[str, int] = {}  # path -> batches that appended to it
+        self.kept: Dict[Tuple[str, str], Fingerprint] = {}  # what the lists held at stage start, checked at the end
+        self.unmerged: Dict[Tuple[str, str], Fingerprint] = {}  # fields of objects created in the stage
         for path, sub in all_flat(self.objects):
-            for name, value in _fields(sub):
+            for name, value in _fields(sub, skip=self.slotted.get(path, ())):
                 if isinstance(value, list):
                     self._last[(path, name)] = len(value)
+                    if value:
+                        self.kept[(path, name)] = Fingerprint.of(value)
 
     def after_batch(self, owner: Any) -> Dict[str, Any]:
         """Notes the list lengths after a batch; returns the metric objects found."""
@@ -248,8 +285,12 @@ class MetricRecorder:
             if path not in self.start and path not in self.first_seen:
                 self.first_seen[path] = batch
                 self.baselines[path] = fresh_numbers(sub)
+                for name, value in vars(sub).items():  # fields no merge follows: must not change from here on
+                    if not isinstance(value, list) and not is_number(value) and name != "summary" and not (
+                            _merged_elsewhere(value) or isinstance(sub, MultiMetricStats)):
+                        self.unmerged[(path, name)] = Fingerprint.of(value)
             grew = False
-            for name, value in _fields(sub):
+            for name, value in _fields(sub, skip=self.slotted.get(path, ())):
                 if isinstance(value, list):
                     key = (path, name)
                     before = self._last.get(key, 0)
@@ -280,11 +321,39 @@ class MetricRecorder:
                               "instead of clearing it, or list it in ddp_eval: metrics_exclude.")
         return self._state(0, list(positions[: self.batches]) + [math.inf], self.start)
 
+    def unexplained(self) -> Dict[str, str]:
+        """``{path.field: why}`` of metric fields whose end state what was recorded
+        does not explain (checked at stage end, before anything is merged)."""
+        found = {}
+        flat = dict(all_flat(self.objects))
+        for (path, name), kept in self.kept.items():
+            outer, _, index = name.partition("[")
+            value = getattr(flat.get(path), outer, None)
+            if index and isinstance(value, list):  # an inner list of a nested field (BLEUStats.targets[0])
+                value = value[int(index[:-1])] if int(index[:-1]) < len(value) else None
+            if isinstance(value, list) and unexplained(kept, value[: self.start[path].get(name, 0)]):
+                found[f"{path}.{name}"] = ("entries it held at stage start were changed in place; a metric "
+                                           "object's list fields are merged as lists that grow")
+        for (path, name), start in self.unmerged.items():
+            if path in flat and unexplained(start, getattr(flat[path], name, None)):
+                found[f"{path}.{name}"] = (f"a {type(getattr(flat[path], name, None)).__name__} field of a metric "
+                                           "object created during the stage changed, and only the list and number "
+                                           "fields of such objects are merged: create the object in on_stage_start")
+        for path, sub in flat.items():
+            if path in self.start:
+                known = self.start_fields[path]
+                for name, value in vars(sub).items():
+                    if (name not in known and not isinstance(value, list)
+                            and name != "summary" and not _merged_elsewhere(value)):
+                        found[f"{path}.{name}"] = (f"a field set during the stage (a {type(value).__name__}), "
+                                                   "which no merge follows: set it in on_stage_start or clear()")
+        return found
+
     def piece(self, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
         """What the batches since the previous piece (or stage start) appended,
         in :meth:`finish`'s format, for a journal; :meth:`finish` is unaffected."""
         state = self._state(self._piece_from, list(positions[: self.batches]), self._piece_numbers)
-        self._piece_from, self._piece_numbers = self.batches, snapshot(self.objects)
+        self._piece_from, self._piece_numbers = self.batches, snapshot(self.objects, self.slotted)
         return state
 
     def _state(self, from_batch: int, places: Sequence[float], numbers_before: Snapshot) -> Dict[str, Dict[str, Any]]:
@@ -293,7 +362,7 @@ class MetricRecorder:
             lists, numbers, nested = {}, {}, {}
             started = self.start.get(path, {})
             before = numbers_before.get(path, self.baselines.get(path, {}))
-            for name, value in _fields(sub):
+            for name, value in _fields(sub, skip=self.slotted.get(path, ())):
                 if isinstance(value, list):
                     batches, bounds = growth_since(self._changes.get((path, name), ()), from_batch,
                                                    started.get(name, 0))

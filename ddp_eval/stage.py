@@ -120,6 +120,7 @@ class ShardedStage:
         """``{label: (owner, name)}``: the Brain's attributes, then dotted paths to merge."""
         cfg = self.config
         targets = {n: (self.brain, n) for n in self.attribute_names(metric_objects)}
+        targets.update(self.metrics.fields)  # a metric object's fields that are not flat lists: one engine
         for path in cfg.attributes_include or ():
             if "." in path and path not in cfg.attributes_exclude:
                 targets[path] = resolve(self.brain, path)
@@ -202,6 +203,7 @@ class ShardedStage:
         positions = global_batch_ids(self.loader)
         metric_state = self.metrics.finish(self.brain, positions)
         changes, unmergeable = self.attributes.finish(positions)
+        unmergeable.update(self.metrics.unexplained())
         excluded = set(self.config.attributes_exclude) | set(self.attributes.tracks)
         outside = {label: why for label, why in changed_outside(self.outside, self._outside_markers()).items()
                    if label not in excluded}
@@ -259,6 +261,8 @@ class ShardedStage:
         return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
 
     def _locate(self, label: str):
+        if label in self.metrics.fields:
+            return self.metrics.fields[label]
         return resolve(self.brain, label) if "." in label else (self.brain, label)
 
     def _stop_batches(self) -> None:

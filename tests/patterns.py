@@ -16,6 +16,12 @@ rank, returning what ``on_stage_end`` saw.
   ``self.stage_output``; an EDER-like file appended without it; BEST-RQ's accuracy
   appended under ``if if_main_process():``.
 * ``modules``: InputNormalization called through hparams, not in ``modules`` (six recipes).
+* ``ordinary_code`` (issue 26): what ordinary Python and PyTorch code does outside the
+  patterns above: a pre-sized list changed in place (``hist[label] += 1``), a
+  MetricStats subclass of the recipe's own with a dict of lists per speaker and a
+  BLEUStats-like nested list (``targets[0].extend``), values rebuilt from their previous
+  one (``x = x + y``, ``torch.cat``, NumPy ``a = a + b``, ``ids = ids + [utt]``), and an
+  attribute set to None in ``on_stage_start`` and assigned every batch.
 
 VALID: 23 utterances at batch 3 (8 batches), 2 epochs; TEST: 4 at batch 2 (2 batches:
 at 3 ranks, rank 2 evaluates no TEST batch).
@@ -45,7 +51,7 @@ from torch.utils.data import DataLoader
 import ddp_eval
 from tests import toy
 
-PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules")
+PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code")
 
 
 def _bleu_stats():
@@ -81,6 +87,30 @@ class DWERLike(MetricStats):
         summary = self.wer_computer.summarize()
         summary["CER"] = self.cer_computer.summarize("error_rate")
         return summary if field is None else summary[field]
+
+
+class SpeakerStats(MetricStats):
+    """A recipe's own MetricStats: per-speaker scores in a dict of lists, and
+    targets as BLEUStats keeps them, one list per reference set."""
+
+    def __init__(self):
+        super().__init__(metric=None)
+
+    def clear(self):
+        super().clear()
+        self.per_spk, self.predicts, self.targets = {}, [], [[]]
+
+    def append(self, ids, predicts, targets, speakers):
+        self.ids.extend(ids)
+        self.predicts.extend(predicts)
+        self.targets[0].extend(targets)
+        for utt, spk, p, t in zip(ids, speakers, predicts, targets):
+            self.per_spk.setdefault(spk, []).append(float(p == t))
+
+    def summarize(self, field=None):
+        accuracy = sum(p == t for p, t in zip(self.predicts, self.targets[0])) / max(len(self.predicts), 1)
+        self.summary = {"accuracy": accuracy, "per_spk": {s: sum(v) / len(v) for s, v in self.per_spk.items()}}
+        return self.summary if field is None else self.summary[field]
 
 
 class PatternBrain(toy.ToyBrain):
@@ -243,6 +273,33 @@ class PatternBrain(toy.ToyBrain):
 
     def _end_files(self, stage, stage_loss, epoch):
         return {"main_acc": list(self.main_acc)}
+
+    # -- ordinary_code ---------------------------------------------------------------
+
+    def _start_ordinary_code(self, stage):
+        self.hist = [0] * toy.CLASSES
+        self.spk_stats = SpeakerStats()
+        self.logit_sum = torch.zeros(toy.CLASSES, dtype=torch.float64)
+        self.all_preds = torch.zeros(0, dtype=torch.long)
+        self.prob_total = np.zeros(toy.CLASSES)
+        self.order = []
+        self.last_loss = None
+
+    def _batch_ordinary_code(self, logits, labels, loss, batch, stage):
+        preds = logits.detach().argmax(-1)
+        for label in labels.tolist():
+            self.hist[label] += 1
+        self.spk_stats.append(batch.id, preds.tolist(), labels.tolist(), [f"spk{int(u[-1]) % 3}" for u in batch.id])
+        self.logit_sum = self.logit_sum + logits.detach().double().sum(0)
+        self.all_preds = torch.cat([self.all_preds, preds])
+        self.prob_total = self.prob_total + logits.detach().softmax(-1).double().sum(0).numpy()
+        self.order = self.order + list(batch.id)
+        self.last_loss = float(loss)
+
+    def _end_ordinary_code(self, stage, stage_loss, epoch):
+        return {"hist": list(self.hist), "spk": self.spk_stats.summarize(), "targets": self.spk_stats.targets,
+                "logit_sum": self.logit_sum.tolist(), "all_preds": self.all_preds.tolist(),
+                "prob_total": self.prob_total.tolist(), "order": list(self.order), "last_loss": self.last_loss}
 
     # -- modules -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from tests import patterns
 from tests.mp_harness import results, run_ranks
 
 pytestmark = pytest.mark.timeout(400)
-EXACT = ("last_values", "containers", "arrays", "loaders")
+EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,9 @@ def assert_records_equal(got, want, skip=()):
 def test_exact_patterns_equal_one_process_on_every_rank(pattern, ranks, references):
     world_size, outs = ranks
     want = references[pattern]
+    skip = {"order"} if pattern == "ordinary_code" else ()  # TEST's `order` is named (test below)
     for out in (o[pattern] for o in outs):
-        assert_records_equal(evaluation_records(out), evaluation_records(want))
+        assert_records_equal(evaluation_records(out), evaluation_records(want), skip)
         assert math.isclose(out["test_loss"], want["test_loss"], rel_tol=1e-9)
         # the checkpoint chosen by min_key from the meta (HiFi-GAN: the last batch's loss stats)
         assert out["loaded_meta"].keys() == want["loaded_meta"].keys()
@@ -91,6 +92,29 @@ def test_numpy_arrays_changed_in_place_are_merged(ranks, references):
             assert got["confusion"] == want["confusion"] and got["dtype"] == want["dtype"]  # ints: exact
             assert got["prob_sum"] == pytest.approx(want["prob_sum"], rel=1e-12)  # floats: as float tensors
         assert out["arrays"]["warnings"] == []
+
+
+def test_ordinary_code_outside_the_recipe_patterns_is_exact(ranks, references):
+    """Issue 26: a pre-sized list changed in place, a MetricStats subclass with a dict of
+    lists and a nested list, values rebuilt from their previous one (tensors, arrays,
+    lists), an attribute set to None and assigned per batch: one process's values on
+    every rank (exact_patterns compares every field), and nothing named."""
+    world_size, outs = ranks
+    want = evaluation_records(references["ordinary_code"])
+    assert want[-1]["hist"] != [0] * len(want[-1]["hist"])  # the patterns ran
+    for out in outs:
+        for got, expected in zip(evaluation_records(out["ordinary_code"]), want):
+            assert got["spk"] == expected["spk"] and got["targets"] == expected["targets"]
+            assert got["all_preds"] == expected["all_preds"] and got["hist"] == expected["hist"]
+            assert got["logit_sum"] == expected["logit_sum"]  # x = x + y replayed in order: bit for bit
+            assert got["last_loss"] == expected["last_loss"]  # bound over None: the last batch's, not named
+            if got["stage"] == "VALID":  # 8 batches: every rank sees ids = ids + [...] extend a list
+                assert got["order"] == expected["order"]
+    # TEST has 2 batches: each rank binds `order` once over [], which cannot tell = from
+    # `ids = ids + [...]`: it is named, the only warning (rank 0 warns)
+    warnings = outs[0]["ordinary_code"]["warnings"]
+    assert len(warnings) == 1 and "'order'" in warnings[0] and "append in place" in warnings[0], warnings
+    assert all(out["ordinary_code"]["warnings"] == [] for out in outs[1:])
 
 
 def test_per_batch_file_through_stage_output_equals_one_process(ranks, references):
