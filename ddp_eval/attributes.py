@@ -200,7 +200,7 @@ class Slot:
         """A batch bound a value computed from the previous one by ``+``, ``-`` or
         concatenation: the operations are replayed at the merge, in global order."""
         if self.watch.changes_after(-1 if self.assigned_at is None else self.assigned_at):
-            self.fail(f"it was changed in place, then a batch rebuilt it from its previous value")
+            self.fail("it was changed in place, then a batch rebuilt it from its previous value")
             return True
         if self.assigned_at is not None and not self.events:  # the binding rebuilt from is the first event
             self.events.append((self.assigned_at, "!" if self.over_none else "=", plain_value(self.obj)))

@@ -252,7 +252,7 @@ class MetricRecorder:
         self.objects = finder.find(owner)
         self.fields = field_targets(self.objects)  # watched by the attribute tracker
         self.slotted: Dict[str, set] = {}
-        for label, (sub, name) in self.fields.items():
+        for label, (_, name) in self.fields.items():
             self.slotted.setdefault(label[: -len(name) - 1], set()).add(name)
         self.start: Snapshot = snapshot(self.objects, self.slotted)
         self.start_fields = {path: set(vars(sub)) for path, sub in all_flat(self.objects)}

@@ -47,7 +47,6 @@ from ddp_eval.values import (
     get_value,
     is_array,
     is_mutable,
-    is_number,
     nbytes,
     numpy,
     set_value,

@@ -104,7 +104,7 @@ class SpeakerStats(MetricStats):
         self.ids.extend(ids)
         self.predicts.extend(predicts)
         self.targets[0].extend(targets)
-        for utt, spk, p, t in zip(ids, speakers, predicts, targets):
+        for spk, p, t in zip(speakers, predicts, targets):
             self.per_spk.setdefault(spk, []).append(float(p == t))
 
     def summarize(self, field=None):
