@@ -39,6 +39,7 @@ from ddp_eval.errors import (
     RankFailedError,
     StateDivergenceError,
     StorageError,
+    VerificationError,
 )
 from ddp_eval.metric_merge import merge_metric_stats
 from ddp_eval.metrics import find_metric_objects
@@ -67,6 +68,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "OutOfStepError",
     "StateDivergenceError",
+    "VerificationError",
     "BatchPlanError",
     "CheckpointWriteError",
     "CheckpointLoadError",

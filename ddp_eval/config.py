@@ -8,7 +8,7 @@ Example
 >>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
 Traceback (most recent call last):
 ...
-ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split, verify
 """
 
 from dataclasses import dataclass, field, fields
@@ -76,6 +76,14 @@ class DDPEvalConfig:
         the batches; exact) or ``"by_dataset"`` (the dataset already yields a
         different part on each rank, e.g. ``wds.split_by_node``; faster, but
         batches differ from one process, see the README).
+    verify : str
+        Prove the conversion on the recipe's own data (:mod:`ddp_eval.verify`):
+        ``"off"`` (default), ``"first"`` (the first VALID and the first TEST
+        stage: each rank also evaluates every batch as one process would and
+        compares what ``on_stage_end`` sees; differences are warned about by
+        path), ``"every"`` (every VALID/TEST stage) or ``"strict"`` (as
+        ``first``, and any difference is an error on every rank). Costs about
+        one more one-process evaluation of each verified stage.
     """
 
     shard_valid: bool = True
@@ -92,6 +100,7 @@ class DDPEvalConfig:
     resume_eval_every_s: float = 60.0
     resume_eval_dir: Optional[str] = None
     stream_split: str = "batches"
+    verify: str = "off"
 
     @classmethod
     def from_hparams(cls, hparams: Optional[Mapping[str, Any]]) -> "DDPEvalConfig":
@@ -109,6 +118,9 @@ class DDPEvalConfig:
                     f"ddp_eval: unknown option '{key}' in the '{SECTION}:' hparams "
                     f"section; allowed options: {', '.join(allowed)}"
                 )
+        section = dict(section)
+        if section.get("verify") is False:  # YAML reads a bare `off` as false
+            section["verify"] = "off"
         cfg = cls(**section)
         cfg._validate()
         return cfg
@@ -135,6 +147,7 @@ class DDPEvalConfig:
         _expect("resume_eval_dir", folder, folder is None or isinstance(folder, str), "a folder path or null")
         check_choice("on_unmergeable_attribute", self.on_unmergeable_attribute, ("warn", "error"))
         check_choice("stream_split", self.stream_split, ("batches", "by_dataset"))
+        check_choice("verify", self.verify, ("off", "first", "every", "strict"))
 
 
 def _expect(name: str, value: Any, ok: bool, allowed: str) -> None:

@@ -28,6 +28,10 @@ class BatchPlanError(DDPEvalError):
     """Ranks built different evaluation batches (a sampler that differs across ranks)."""
 
 
+class VerificationError(DDPEvalError):
+    """``verify: strict``: what on_stage_end would see differs from one process."""
+
+
 class StateDivergenceError(DDPEvalError):
     """Scheduler or epoch-counter state differs across ranks after ``on_stage_end``."""
 

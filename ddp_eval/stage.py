@@ -19,16 +19,19 @@ sharded stage starts and dropped once ``on_stage_end`` has run on every rank:
 
 import gc
 import logging
+import os
 import pickle
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.data import DataLoader
 
 from ddp_eval import dist, sb_compat
 from ddp_eval.attribute_merge import last_candidates, merge_attribute_states
 from ddp_eval.attributes import AttributeTracker, resolve
 from ddp_eval.effects import AppendWatch, StageOutputs, module_states, write_outputs
+from ddp_eval.errors import VerificationError
 from ddp_eval.metric_layout import complete, describe
 from ddp_eval.metric_merge import merge_metric_stats
 from ddp_eval.metrics import MetricFinder, MetricRecorder, apply_merged
@@ -38,6 +41,7 @@ from ddp_eval.resume import StageResume
 from ddp_eval.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
 from ddp_eval.stage_report import StageReport
 from ddp_eval.values import ELSEWHERE
+from ddp_eval.verify import StageVerifier, compare, scratch_folder, wants_verification
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +89,17 @@ class ShardedStage:
         self.running = False  # between start() and finish(): batches are being evaluated
         self.local_collectives = sb_compat.local_collectives()
         self.loss_sum, self.loss_count = 0.0, 0
+        self.verifier: Optional[StageVerifier] = None  # verify: the one-process reference of this stage
+        self.scratch: Optional[str] = None  # where stage_output files go during the reference pass
 
     # -- start -------------------------------------------------------------------
 
     def start(self) -> None:
         """Collective: plan, recorders, the stage-start exchange, DDP buffers."""
         cfg, brain = self.config, self.brain
+        verified = brain.__dict__.setdefault("_ddp_verified", set())
+        if wants_verification(cfg.verify, self.stage.name, verified) and not is_stream(self.loader):
+            self.verifier = StageVerifier(brain, self._recipe_attributes())  # before probes and factories
         self.metrics = MetricRecorder(MetricFinder(cfg.metrics_include, cfg.metrics_exclude), brain)
         self.attributes = AttributeTracker(self._targets(self.metrics.objects), cfg.attribute_memory_mb)
         self.outside, self.modules = self._outside_markers(), module_states(brain)
@@ -137,6 +146,19 @@ class ShardedStage:
             names &= set(plain)
         return sorted(n for n in names if not n.startswith("_ddp"))
 
+    def _recipe_attributes(self) -> List[str]:
+        """The Brain attributes a verified stage compares: the recipe's, metric objects included."""
+        cfg, brain = self.config, self.brain
+        names = set(vars(brain)) - brain._ddp_brain_attributes - {"on_stage_start", "on_stage_end", "ddp_eval_config"}
+        names -= set(cfg.attributes_exclude) | set(cfg.metrics_exclude)
+        recoverables = {id(v) for v in self._recoverables().values()}
+        return sorted(n for n in names if not n.startswith("_ddp") and not _training_machinery(getattr(brain, n))
+                      and id(getattr(brain, n)) not in recoverables)
+
+    def _recoverables(self) -> Dict[str, Any]:
+        checkpointer = getattr(self.brain, "checkpointer", None)
+        return dict(getattr(checkpointer, "recoverables", None) or {})
+
     def _outside_markers(self):
         """State outside the Brain (hparams, recoverables), minus what the Brain
         itself holds as mergeable attributes."""
@@ -161,7 +183,10 @@ class ShardedStage:
         self.attributes.before_batch()
 
     def stage_output(self, path: Any) -> Any:
-        """This rank's part of a per-batch file while batches run; ``path`` otherwise."""
+        """This rank's part of a per-batch file while batches run (a scratch file
+        during a verification's reference pass); ``path`` otherwise."""
+        if self.scratch is not None:
+            return os.path.join(self.scratch, os.path.basename(os.fspath(path)))
         return self.outputs.part(path) if self.running else path
 
     # -- end ------------------------------------------------------------------------
@@ -173,9 +198,37 @@ class ShardedStage:
         resumed = self.resume is not None and self.resume.done
         if dist.get_world_size() == 1 and not resumed:
             self._finish_alone()
-            return local_loss  # one process that evaluated everything itself: nothing to merge
-        with _gc_paused():  # the merge makes and drops many small objects: no full collection in between
-            return self._merge_all(local_loss)
+            loss = local_loss  # one process that evaluated everything itself: nothing to merge
+        else:
+            with _gc_paused():  # the merge makes and drops many small objects: no full collection in between
+                loss = self._merge_all(local_loss)
+        if self.verifier is not None:
+            self._verify(loss)
+        return loss
+
+    def _verify(self, loss: float) -> None:
+        """verify: every rank evaluates the whole stage as one process would, from
+        the stage-start copy, and compares it with what on_stage_end will see."""
+        brain, name = self.brain, self.stage.name
+        brain._ddp_verified.add(name)
+
+        def local():
+            plan = self.loader.batch_sampler.plan
+            batches = DataLoader(self.loader.dataset, batch_sampler=[plan[i] for i in range(len(plan))],
+                                 collate_fn=self.loader.collate_fn)
+            self.scratch = scratch_folder()
+            try:
+                with sb_compat.local_collectives():
+                    reference_loss, reference, changed = self.verifier.reference(
+                        brain, self.stage, batches, lambda: {**self._outside_markers(), **module_states(brain)})
+            finally:
+                self.scratch = None
+            merged = {n: getattr(brain, n, None) for n in reference}
+            count, differences = compare(loss, reference_loss, merged, reference)
+            return count, differences, changed, self.verifier.uncopied
+
+        per_rank = dist.decide(f"{name} verify", local)
+        report_verification(name, per_rank, self.config.verify == "strict")
 
     def _merge_all(self, local_loss: float) -> float:
         collected: Dict[str, Any] = {}
@@ -283,6 +336,44 @@ class ShardedStage:
         """After ``on_stage_end`` ran on every rank: the journal is no longer needed."""
         if self.resume is not None:
             self.resume.close()
+
+
+def _training_machinery(value: Any) -> bool:
+    """Optimizers, modules, schedulers: what training owns, not what a stage accumulates."""
+    if isinstance(value, (torch.optim.Optimizer, torch.nn.Module)):
+        return True
+    return type(value).__module__.startswith(("torch.optim", "speechbrain.nnet.schedulers", "torch.cuda.amp",
+                                              "torch.amp"))
+
+
+def report_verification(stage: str, per_rank: List[Tuple[int, list, dict, dict]], strict: bool) -> None:
+    """The verdict of a verified stage, the same on every rank: one info line, or
+    each difference by path with both values (an error on every rank if ``strict``)."""
+    count = per_rank[0][0]
+    differing = [(rank, diffs) for rank, (_, diffs, _, _) in enumerate(per_rank) if diffs]
+    notes = [f"{label} ({why})" for label, why in {**per_rank[0][2], **per_rank[0][3]}.items()]
+    if not differing:
+        if dist.get_rank() == 0:
+            logger.info(f"ddp_eval: {stage} verified: {count} values equal one process.")
+            if notes:
+                logger.warning(f"ddp_eval: {stage} verification: not compared, or run twice by the reference pass "
+                               f"(state outside the Brain, or values that cannot be copied): {'; '.join(notes)}.")
+        return
+    shown = []
+    for rank, diffs in differing:
+        for path, got, want in diffs[:20]:
+            shown.append(f"rank {rank}: {path}: on_stage_end would see {got}, one process {want}")
+    message = (f"ddp_eval: {stage} verification: {sum(len(d) for _, d in differing)} value(s) differ from one "
+               f"process (of {count} compared): " + "; ".join(shown) + ". Expected every value to equal one "
+               "process. Compute such a value in on_stage_end from merged state, or list it in ddp_eval: "
+               "attributes_exclude, or evaluate the stage unsharded (shard_valid/shard_test: false); "
+               "docs/exactness.md lists what is merged.")
+    if notes:
+        message += f" Also not compared, or run twice by the reference pass: {'; '.join(notes)}."
+    if strict:
+        raise VerificationError(message)
+    if dist.get_rank() == 0:
+        logger.warning(message)
 
 
 def _holders(metric_objects) -> set:

@@ -409,3 +409,27 @@ def ordinary_recipe(rank, world_size, directory):
     toy.run_accumulating(toy.build(Converted, directory, epochs=2))
     toy.run_recipe(toy.build(toy.DDPToyBrain, os.path.join(directory, "toy")))
     return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def verify_worker(rank, world_size, directory, pattern, mode):
+    """One pattern with ``ddp_eval: {verify: mode}``: its outcome, and what ddp_eval
+    logged about verification on this rank (info and up)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("ddp_eval")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    torch.manual_seed(0)
+    try:
+        out = run(build(DDPPatternBrain, os.path.join(directory, pattern), pattern, {"verify": mode,
+                                                                                    "collective_timeout": 60}),
+                  pattern)
+    except ddp_eval.DDPEvalError as error:  # verify: strict, during fit's VALID
+        out = {"error": type(error).__name__, "message": str(error)}
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    out["verification"] = [r.getMessage() for r in records if r.getMessage().startswith("ddp_eval:")
+                           and "verif" in r.getMessage()]
+    return out

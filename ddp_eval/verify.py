@@ -1,0 +1,177 @@
+"""``ddp_eval: {verify: first}``: proving a conversion on the recipe's own data.
+
+On a verified VALID/TEST stage each rank, after the merge and before
+``on_stage_end``, also evaluates every batch of the stage as one process would,
+in order, from a copy of the Brain's stage-start state, and compares what
+``on_stage_end`` is about to see (the stage loss, every recipe attribute, every
+metric object's fields and ``summarize()``) with that one-process result. The
+recipe's own values are put back before ``on_stage_end`` runs; the reference
+pass writes ``stage_output`` files to a scratch folder, and state outside the
+Brain it changes (modules, hparams objects) is named, since the pass ran those
+batches a second time.
+
+Example
+-------
+>>> import torch
+>>> first_difference({"n": 3, "ids": ["a", "b"]}, {"n": 3, "ids": ["a", "c"]})
+("['ids'][1]", "'b'", "'c'")
+>>> first_difference(torch.tensor([1.0]), torch.tensor([1.0])) is None
+True
+"""
+
+import copy
+import random
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ddp_eval.values import is_array, numpy
+
+MODES = ("off", "first", "every", "strict")
+_MAX_SHOWN = 120  # characters of a value in a message
+
+
+def wants_verification(mode: str, stage_name: str, done: set) -> bool:
+    """Whether this stage is verified (``done``: stage names verified so far).
+
+    Example
+    -------
+    >>> wants_verification("first", "TEST", {"VALID"}), wants_verification("first", "VALID", {"VALID"})
+    (True, False)
+    """
+    if mode == "off":
+        return False
+    return mode == "every" or stage_name not in done
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+def first_difference(got: Any, want: Any, path: str = "") -> Optional[Tuple[str, str, str]]:
+    """``(path, got, want)`` of the first place two values differ (bit for bit for
+    floats and tensors), or None if they are equal."""
+    if type(got) is not type(want):
+        return path, f"{type(got).__name__} {_short(got)}", f"{type(want).__name__} {_short(want)}"
+    if isinstance(got, torch.Tensor):
+        same = got.shape == want.shape and got.dtype == want.dtype and torch.equal(
+            got.detach().cpu(), want.detach().cpu()) or (got.is_floating_point() and got.shape == want.shape and bool(
+                torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())))
+        return None if same else (path, _short(got), _short(want))
+    if is_array(got):
+        same = got.shape == want.shape and got.dtype == want.dtype and numpy.array_equal(
+            got, want, equal_nan=got.dtype.kind in "fc")
+        return None if same else (path, _short(got), _short(want))
+    if isinstance(got, (list, tuple)):
+        if len(got) != len(want):
+            return path, f"{len(got)} entries: {_short(got)}", f"{len(want)} entries: {_short(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            found = first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if isinstance(got, dict):
+        if list(got) != list(want):
+            return f"{path} keys", _short(list(got)), _short(list(want))
+        for key in got:
+            found = first_difference(got[key], want[key], f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(got, float):
+        return None if got == want or (got != got and want != want) else (path, repr(got), repr(want))
+    if isinstance(got, (int, str, bytes, bool, type(None), complex)):
+        return None if got == want else (path, _short(got), _short(want))
+    if callable(got) or isinstance(got, torch.nn.Module):
+        return None  # code and models are not what a stage accumulates
+    own_got, own_want = getattr(got, "__dict__", None), getattr(want, "__dict__", None)
+    if own_got is not None:
+        fields = {k: v for k, v in own_got.items() if k != "summary"}
+        return first_difference(fields, {k: v for k, v in own_want.items() if k != "summary"}, path)
+    return None if got == want else (path, _short(got), _short(want))
+
+
+class StageVerifier:
+    """The one-process reference of one sharded stage on this rank.
+
+    Arguments
+    ---------
+    brain : DDPEvalMixin
+        The Brain, at stage start (after the recipe's ``on_stage_start``).
+    names : list of str
+        The recipe's attributes to copy now and compare at stage end.
+    """
+
+    def __init__(self, brain: Any, names: List[str]) -> None:
+        self.start: Dict[str, Any] = {}
+        self.uncopied: Dict[str, str] = {}
+        for name in names:
+            try:
+                self.start[name] = copy.deepcopy(getattr(brain, name))
+            except Exception as exc:  # a file handle, a generator: named, not compared
+                self.uncopied[name] = f"{type(exc).__name__}: {exc}"
+
+    def reference(self, brain: Any, stage: Any, batches: List[Any], outside: Any) -> Tuple[float, Dict[str, Any],
+                                                                                           Dict[str, str]]:
+        """Runs ``batches`` as one process would, from the stage-start copy; returns
+        ``(loss, {name: value}, {what changed outside: why})``, the recipe's own
+        values put back. ``outside()`` summarises state outside the Brain."""
+        held = {name: getattr(brain, name) for name in self.start if hasattr(brain, name)}
+        rng = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
+        step, before = brain.step, outside()
+        for name, value in self.start.items():
+            setattr(brain, name, value)
+        try:
+            brain.step, avg_loss = 0, 0.0
+            for batch in batches:
+                brain.step += 1
+                loss = brain.evaluate_batch(batch, stage=stage)
+                if torch.isfinite(torch.as_tensor(loss)):  # as sb.Brain.update_average
+                    avg_loss -= avg_loss / brain.step
+                    avg_loss += float(loss) / brain.step
+            result = {name: getattr(brain, name, None) for name in self.start}
+        finally:
+            for name, value in held.items():
+                setattr(brain, name, value)
+            brain.step = step
+            torch.set_rng_state(rng[0])
+            random.setstate(rng[1])
+            if rng[2] is not None:
+                numpy.random.set_state(rng[2])
+        after = outside()
+        changed = {label: "changed by the reference pass" for label in sorted(set(before) | set(after))
+                   if before.get(label) != after.get(label)}
+        return avg_loss, result, changed
+
+
+def compare(loss: float, reference_loss: float, merged: Dict[str, Any], reference: Dict[str, Any]
+            ) -> Tuple[int, List[Tuple[str, str, str]]]:
+    """``(number of values compared, differences)``: the loss (to 1e-9 relative:
+    SpeechBrain's running average against ddp_eval's sum over count), every
+    attribute, and each metric object's ``summarize()``."""
+    differences, count = [], 1
+    if not (abs(loss - reference_loss) <= 1e-9 * max(abs(loss), abs(reference_loss)) or loss == reference_loss):
+        differences.append(("stage_loss", repr(loss), repr(reference_loss)))
+    for name, want in reference.items():
+        count += 1
+        found = first_difference(merged.get(name), want, name)
+        if found is None and hasattr(want, "summarize") and callable(want.summarize):
+            count += 1
+            found = first_difference(_summary(merged.get(name)), _summary(want), f"{name}.summarize()")
+        if found is not None:
+            differences.append(found)
+    return count, differences
+
+
+def _summary(metric: Any) -> Any:
+    try:
+        return copy.deepcopy(metric).summarize()
+    except Exception as exc:  # noqa: BLE001 - an empty metric may not summarize: compared as such
+        return f"<summarize() raised {type(exc).__name__}>"
+
+
+def scratch_folder() -> str:
+    """Where ``stage_output`` files of the reference pass go."""
+    return tempfile.mkdtemp(prefix="ddp_eval-verify-")

@@ -1,0 +1,53 @@
+"""``ddp_eval: {verify: ...}`` (issue 26): a converted recipe proves itself on its own
+data. Each rank evaluates the verified stage again as one process would and compares
+what on_stage_end sees; at 2 ranks (the fast lane) and 3 (rank 2 has no TEST batch)."""
+
+import time
+
+import pytest
+
+from ddp_eval.verify import first_difference
+from tests import patterns
+from tests.mp_harness import results, run_ranks
+from tests.test_recipe_patterns import assert_records_equal, evaluation_records
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
+def test_an_exact_recipe_verifies_clean_and_keeps_its_results(world_size, tmp_path):
+    want = patterns.single_process(tmp_path / "single", "containers")
+    outs = results(run_ranks(patterns.verify_worker, world_size, str(tmp_path / "ranks"), "containers", "first",
+                             timeout=240))
+    for out in outs:  # the reference pass leaves what on_stage_end sees as it was
+        assert_records_equal(evaluation_records(out), evaluation_records(want))
+    said = outs[0]["verification"]
+    # first: the first VALID (of 2 epochs) and the first TEST only
+    assert [m.split(":")[1].strip() if ":" in m else m for m in said] == ["VALID verified", "TEST verified"], said
+    assert all("values equal one process" in m for m in said)
+    assert all(out["verification"] == [] for out in outs[1:])  # rank 0 says it
+
+
+def test_what_cannot_be_made_exact_is_named_by_verify(tmp_path):
+    """BEST-RQ's accuracy appended under if_main_process() holds rank 0's batches only:
+    verify names the attribute and both values."""
+    outs = results(run_ranks(patterns.verify_worker, 2, str(tmp_path), "files", "every", timeout=240))
+    said = [m for m in outs[0]["verification"] if "differ from one process" in m]
+    assert said and all("main_acc: on_stage_end would see" in m and "one process 8 entries" in m
+                        for m in said[:2]), outs[0]["verification"]
+    assert len(said) == 3  # every: VALID of both epochs and TEST
+
+
+@pytest.mark.fast
+def test_strict_fails_on_every_rank_within_seconds(tmp_path):
+    start = time.monotonic()
+    outs = results(run_ranks(patterns.verify_worker, 2, str(tmp_path), "files", "strict", timeout=240))
+    assert [out["error"] for out in outs] == ["VerificationError", "VerificationError"]
+    assert all("VALID verification" in out["message"] and "main_acc" in out["message"] for out in outs)
+    assert time.monotonic() - start < 120
+
+
+def test_first_difference_names_the_path_and_both_values():
+    assert first_difference({"a": [1, {"b": 2.0}]}, {"a": [1, {"b": 2.5}]}) == ("['a'][1]['b']", "2.0", "2.5")
+    assert first_difference([1], [1, 2])[0] == ""
+    assert first_difference(float("nan"), float("nan")) is None
