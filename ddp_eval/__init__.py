@@ -27,7 +27,7 @@ from ddp_eval.attribute_merge import merge_attribute_states
 from ddp_eval.checkpoint import Checkpointer
 from ddp_eval.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
-from ddp_eval.dist import ControlChannel
+from ddp_eval.dist import ControlChannel, warn_shared_store_restarts
 from ddp_eval.errors import (
     BatchPlanError,
     CheckpointLoadError,
@@ -74,3 +74,5 @@ __all__ = [
     "CheckpointLoadError",
     "StorageError",
 ]
+
+warn_shared_store_restarts()  # at import: before the recipe creates its process group

@@ -61,6 +61,48 @@ _timeout_s = DEFAULT_TIMEOUT_S
 _DECIDED = 1 << 40  # added to an exchange's arrival count once a failure is decided
 
 
+def shared_store_restart_warning(environ: Optional[dict] = None) -> Optional[str]:
+    """The warning for a torchrun job that may restart on torch's shared agent store
+    (on rank 0; None where it does not apply).
+
+    After a worker dies, gloo re-creates the group from the dead attempt's
+    addresses in the shared store and the restarted attempt can wait silently
+    in ``init_process_group`` (docs/never-hangs.md).
+
+    Example
+    -------
+    >>> env = {"RANK": "0", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True",
+    ...        "TORCHELASTIC_RESTART_COUNT": "0"}
+    >>> "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_restart_warning(env)
+    True
+    >>> shared_store_restart_warning({**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if (env.get("RANK", "0") != "0" or not restarts.isdigit() or int(restarts) == 0
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1"):
+        return None
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    now = (f" This attempt is restart {count} on that shared store: if nothing follows this line, it is that "
+           "hang (stop the job, set the variable, start again; the newest complete checkpoint and the "
+           "evaluation journal are kept)." if count.isdigit() and int(count) > 0 else "")
+    return ("ddp_eval: torchrun may restart this job (--max-restarts " + restarts + ") and shares its agent "
+            "store with the workers (torch's default). After a worker dies, gloo can fail to create the process "
+            "group of the restarted attempt from the dead attempt's addresses, and that attempt then waits "
+            "silently until torchrun gives up. Expected TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment "
+            "of torchrun (a fresh store per attempt); see docs/never-hangs.md." + now)
+
+
+def warn_shared_store_restarts() -> None:
+    """Logs :func:`shared_store_restart_warning` once per process, at import:
+    before the recipe creates its process group, where a restarted attempt hangs."""
+    message = shared_store_restart_warning()
+    if message is not None:
+        logger.warning(message)
+
+
 def set_timeout(seconds: float) -> None:
     """Sets how long any ddp_eval wait may block before it raises."""
     global _timeout_s

@@ -61,3 +61,24 @@ def test_worker_killed_mid_training_resumes_and_ranks_agree(tmp_path):
     loss = single.evaluate(toy.make_dataset(n, seed), min_key="loss", test_loader_kwargs={"batch_size": 2})
     assert math.isclose(loss, ranks[0]["test_loss"], rel_tol=1e-6)
     assert repr(single.log[-1]["metrics"]) == ranks[0]["test_metrics"]
+
+
+def test_a_job_that_may_restart_on_the_shared_store_is_warned_about(tmp_path):
+    """Issue 26: under torchrun with restarts and torch's shared agent store, rank 0 warns
+    at import (before the process group exists), and a restarted attempt says it is one."""
+    script = tmp_path / "fails_once.py"
+    script.write_text("import os, sys\nimport ddp_eval  # noqa: F401\n"
+                      "sys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "--max-restarts=1", str(script)]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line]
+    assert len(warned) == 2, proc.stderr[-3000:]  # each attempt, at import
+    assert "restart 1" not in warned[0] and "This attempt is restart 1" in warned[1]
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # the opt-out: nothing to say
+    quiet = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                           timeout=120)
+    assert quiet.returncode == 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in quiet.stderr, quiet.stderr[-3000:]
