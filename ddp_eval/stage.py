@@ -28,19 +28,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_eval import dist, sb_compat
-from ddp_eval.attribute_merge import last_candidates, merge_attribute_states
-from ddp_eval.attributes import AttributeTracker, resolve
+from ddp_eval.attribute_merge import last_candidates
+from ddp_eval.bookkeeping import StageBook, merge_stage
 from ddp_eval.effects import AppendWatch, StageOutputs, module_states, write_outputs
 from ddp_eval.errors import VerificationError
-from ddp_eval.metric_layout import complete, describe
-from ddp_eval.metric_merge import merge_metric_stats
-from ddp_eval.metrics import MetricFinder, MetricRecorder, apply_merged
 from ddp_eval.order import in_global_order
 from ddp_eval.outside import changed_outside, outside_markers
 from ddp_eval.resume import StageResume
 from ddp_eval.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
 from ddp_eval.stage_report import StageReport
-from ddp_eval.values import ELSEWHERE
 from ddp_eval.verify import StageVerifier, compare, scratch_folder, wants_verification
 
 logger = logging.getLogger(__name__)
@@ -79,8 +75,7 @@ class ShardedStage:
         self.config = brain.ddp_eval_config
         # by_dataset positions differ per rank: such a stage is not journaled
         self.journal_root = None if is_stream(loader) and loader.split == "by_dataset" else journal_root
-        self.metrics: Optional[MetricRecorder] = None
-        self.attributes: Optional[AttributeTracker] = None
+        self.book: Optional[StageBook] = None  # what this rank's batches do to the recipe's state
         self.outputs = StageOutputs(dist.get_rank())
         self.appends = AppendWatch()
         self.outside: Dict[str, Any] = {}
@@ -100,8 +95,7 @@ class ShardedStage:
         verified = brain.__dict__.setdefault("_ddp_verified", set())
         if wants_verification(cfg.verify, self.stage.name, verified) and not is_stream(self.loader):
             self.verifier = StageVerifier(brain, self._recipe_attributes())  # before probes and factories
-        self.metrics = MetricRecorder(MetricFinder(cfg.metrics_include, cfg.metrics_exclude), brain)
-        self.attributes = AttributeTracker(self._targets(self.metrics.objects), cfg.attribute_memory_mb)
+        self.book = StageBook(brain, cfg)
         self.outside, self.modules = self._outside_markers(), module_states(brain)
         plan, old = None, []
         limit = brain.debug_batches if getattr(brain, "debug", False) else None  # --debug: global batches
@@ -123,28 +117,15 @@ class ShardedStage:
         self.running = True
         self.appends.__enter__()
         self.local_collectives.__enter__()
-        self.attributes.before_batch()
+        self.book.start()
 
-    def _targets(self, metric_objects) -> Dict[str, Any]:
-        """``{label: (owner, name)}``: the Brain's attributes, then dotted paths to merge."""
-        cfg = self.config
-        targets = {n: (self.brain, n) for n in self.attribute_names(metric_objects)}
-        targets.update(self.metrics.fields)  # a metric object's fields that are not flat lists: one engine
-        for path in cfg.attributes_include or ():
-            if "." in path and path not in cfg.attributes_exclude:
-                targets[path] = resolve(self.brain, path)
-        return targets
+    @property
+    def metrics(self) -> Any:  # read by the journal (ddp_eval.resume.StageRecord)
+        return self.book.metrics
 
-    def attribute_names(self, metric_objects) -> List[str]:
-        """Plain attributes of the recipe's Brain that may be merged (not those
-        holding the ``metric_objects`` found, nor what ``sb.Brain`` set up)."""
-        cfg, brain = self.config, self.brain
-        names = set(vars(brain)) - brain._ddp_brain_attributes - _holders(metric_objects)
-        names -= set(cfg.attributes_exclude) | {"on_stage_start", "on_stage_end", "ddp_eval_config"}
-        plain = [n for n in cfg.attributes_include or () if "." not in n]
-        if plain:  # names without a dot restrict the Brain's attributes; paths only add
-            names &= set(plain)
-        return sorted(n for n in names if not n.startswith("_ddp"))
+    @property
+    def attributes(self) -> Any:
+        return self.book.attributes
 
     def _recipe_attributes(self) -> List[str]:
         """The Brain attributes a verified stage compares: the recipe's, metric objects included."""
@@ -173,14 +154,11 @@ class ShardedStage:
             self.loss_sum += float(loss)
             self.loss_count += 1
         batch = self.metrics.batches
-        objects = self.metrics.after_batch(self.brain)
-        self.attributes.drop(_holders(objects) & set(self.attributes.tracks))
-        self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
-        self.attributes.after_batch()
+        self.book.observe()
         self.outputs.after_batch(batch)
         if self.resume is not None:
-            self.resume.after_batch(self.brain, self)
-        self.attributes.before_batch()
+            self.resume.after_batch(self.brain, self)  # plain values: no probes in a journal piece
+        self.book.start()  # probes for the next batch
 
     def stage_output(self, path: Any) -> Any:
         """This rank's part of a per-batch file while batches run (a scratch file
@@ -240,70 +218,48 @@ class ShardedStage:
         report.raise_or_warn()
         old_sum, old_count = self.resume.old_loss() if self.resume is not None else (0.0, 0)
         total, count = dist.all_reduce_sum([self.loss_sum + old_sum, self.loss_count + old_count])
-        won = {path: blob for path, blob in collected["bound"].items() if report.winners.get(path) == dist.get_rank()}
+        record = collected["record"]
+        won = {path: blob for path, blob in record.bound.items() if report.winners.get(path) == dist.get_rank()}
         gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
+        states = [pickle.loads(state) for state, _ in gathered]
+        pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
+        merged = merge_stage([s[0] for s in states] + [(p[0], p[1]) for p in pieces])
         # after the last collective: a failure on this rank alone meets the others at on_stage_end's exchange
-        objects = complete(self.brain, self.metrics, report.layouts, self.stage.name)
-        self._merge([pickle.loads(state) for state, _ in gathered], [pickle.loads(w) for _, w in gathered],
-                    objects, report)
+        self.book.apply(merged, report.layouts, report.winners, [pickle.loads(w) for _, w in gathered],
+                        dist.get_rank(), self.stage.name)
+        report.conflicts(merged.attributes.conflicts, merged.attributes.assumed)
+        self._write_outputs([s[1] for s in states] + [p[2] for p in pieces])
         self.outputs.remove_parts()
         report.warn_effects()
         return total / count if count else 0.0
 
     def _collect(self, collected: Dict[str, Any]) -> Dict[str, Any]:
         """Everything that can fail on one rank, before the exchange: this rank's
-        state (kept in ``collected``) and what travels in the exchange."""
+        record (kept in ``collected``) and what travels in the exchange."""
         positions = global_batch_ids(self.loader)
-        metric_state = self.metrics.finish(self.brain, positions)
-        changes, unmergeable = self.attributes.finish(positions)
-        unmergeable.update(self.metrics.unexplained())
+        record = self.book.collect(positions)
         excluded = set(self.config.attributes_exclude) | set(self.attributes.tracks)
         outside = {label: why for label, why in changed_outside(self.outside, self._outside_markers()).items()
                    if label not in excluded}
         old = self.resume.old_states() if self.resume is not None else []
         places = list(positions[: self.metrics.batches]) + [float("inf")]
-        outputs = self.outputs.state(places)
-        bound, last = {}, {}
-        objects = self.attributes.bound_objects()
-        for path, position in last_candidates(changes).items():
-            try:
-                bound[path] = pickle.dumps(objects[path])
-                last[path] = (position, None)
-            except Exception as exc:  # named only if this rank's object is the one to send
-                last[path] = (position, f"{type(exc).__name__}: {exc}")
-        collected.update(packed=pickle.dumps((metric_state, changes, outputs, old)), bound=bound)
-        changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
-        return {"layout": describe(self.metrics, self.brain, positions), "unmergeable": unmergeable,
-                "outside": outside, "stream": self._stream_read(), "last": last,
-                "piece_last": [last_candidates(piece[1]) for piece in old], "changed": changed,
-                "batches": self.metrics.batches, "modules": (self.modules, module_states(self.brain)),
-                "appends": list(self.appends.paths)}
+        collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), old)), record=record)
+        return {**record.report, "outside": outside, "stream": self._stream_read(),
+                "piece_last": [last_candidates(piece[1]) for piece in old],
+                "modules": (self.modules, module_states(self.brain)), "appends": list(self.appends.paths)}
 
-    def _merge(self, states: List[Tuple[Any, ...]], won: List[Dict[str, bytes]], objects, report) -> None:
-        """Merges every rank's state, then the journal's pieces, by global position."""
-        pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
-        metric_states = [s[0] for s in states] + [p[0] for p in pieces]
-        apply_merged(objects, self.metrics.start, merge_metric_stats(metric_states))
-        result = merge_attribute_states([s[1] for s in states] + [p[1] for p in pieces])
-        report.conflicts(result.conflicts, result.assumed)
-        rank = dist.get_rank()
-
-        def last_value(label: str) -> Any:
-            winner = report.winners.get(label)
-            return ELSEWHERE if winner == rank else pickle.loads(won[winner][label])
-
-        self.attributes.apply(result.merged, self._locate, last_value)
+    def _write_outputs(self, parts: List[Dict[str, Any]]) -> None:
+        """Rank 0 appends every rank's (and piece's) per-batch file parts in global order."""
         outputs: Dict[str, list] = {}
-        for part in [s[2] for s in states] + [p[2] for p in pieces]:
+        for part in parts:
             for target, chunks in part.items():
                 outputs.setdefault(target, []).append(chunks)
-        if rank == 0:
+        if dist.get_rank() == 0:
             write_outputs({target: in_global_order(chunks) for target, chunks in outputs.items()})
 
     def _finish_alone(self) -> None:
         """One process: probes out, its own per-batch files appended to their targets."""
-        self.metrics.finish(self.brain, global_batch_ids(self.loader))
-        self.attributes.finish(global_batch_ids(self.loader))
+        self.book.finish_alone(global_batch_ids(self.loader))
         places = list(global_batch_ids(self.loader)) + [float("inf")]
         write_outputs({t: in_global_order([c]) for t, c in self.outputs.state(places).items()})
         self.outputs.remove_parts()
@@ -312,11 +268,6 @@ class ShardedStage:
         """A stream read whole on every rank: ``(batches, digest)`` of what it read."""
         loader = self.loader
         return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
-
-    def _locate(self, label: str):
-        if label in self.metrics.fields:
-            return self.metrics.fields[label]
-        return resolve(self.brain, label) if "." in label else (self.brain, label)
 
     def _stop_batches(self) -> None:
         if self.running:
@@ -328,8 +279,8 @@ class ShardedStage:
         """The stage ended by an exception: the user's objects get back their plain
         numbers and factories, and this rank's part files are removed."""
         self._stop_batches()
-        if self.attributes is not None:
-            self.attributes.release()
+        if self.book is not None:
+            self.book.release()
         self.outputs.remove_parts()
 
     def close(self) -> None:
@@ -376,6 +327,3 @@ def report_verification(stage: str, per_rank: List[Tuple[int, list, dict, dict]]
         logger.warning(message)
 
 
-def _holders(metric_objects) -> set:
-    """Brain attributes that hold the metric objects found (merged as metric objects)."""
-    return {path.split("[")[0].split(".")[0] for path in metric_objects}

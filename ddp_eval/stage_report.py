@@ -37,14 +37,7 @@ class StageReport:
         self.modules = differing_modules([m[0] for m in modules], [m[1] for m in modules]) if modules[0][1] else {}
 
     def _winners(self):
-        candidates: Dict[str, List] = {}
-        for rank, report in enumerate(self.per_rank):
-            for path, (position, error) in report["last"].items():
-                candidates.setdefault(path, []).append((rank, position, error))
-        pieces = self.per_rank[0]["piece_last"]
-        for n, piece in enumerate(pieces):
-            for path, position in piece.items():
-                candidates.setdefault(path, []).append((len(self.per_rank) + n, position, None))
+        candidates = _candidates(self.per_rank)
         winners, unsendable = {}, {}
         for path, found in candidates.items():
             winner = last_writer([(index, position) for index, position, _ in found])
@@ -141,6 +134,26 @@ class StageReport:
         if dist.get_rank() == 0:
             for message in messages:
                 logger.warning(message)
+
+
+def _candidates(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, List]:
+    """``{label: [(contribution, global position, error)]}`` of every binding a
+    ``LAST`` merge may take: the ranks', then a journal's pieces (rank 0 sent them)."""
+    candidates: Dict[str, List] = {}
+    for rank, report in enumerate(per_rank):
+        for path, (position, error) in report["last"].items():
+            candidates.setdefault(path, []).append((rank, position, error))
+    for n, piece in enumerate(per_rank[0].get("piece_last", [])):
+        for path, position in piece.items():
+            candidates.setdefault(path, []).append((len(per_rank) + n, position, None))
+    return candidates
+
+
+def winners_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, int]:
+    """``{label: contribution}`` whose binding a ``LAST`` merge takes (the globally
+    last, see :func:`ddp_eval.attribute_merge.last_writer`); every rank finds the same."""
+    return {path: last_writer([(index, position) for index, position, _ in found])
+            for path, found in _candidates(per_rank).items()}
 
 
 def _first_seen(per_rank: List[Dict[str, str]]) -> str:

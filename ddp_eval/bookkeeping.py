@@ -1,0 +1,207 @@
+"""What one rank's batches did during a sharded stage, and the one pure merge of
+every rank's record: no collectives here.
+
+:class:`StageBook` records, on one rank, what the stage's batches do to the
+recipe's state: its metric objects (:class:`~ddp_eval.metrics.MetricRecorder`)
+and its attributes and the fields of its metric objects that are not flat
+lists (:class:`~ddp_eval.attributes.AttributeTracker`, one engine for both).
+At stage end :meth:`StageBook.collect` checks that the record explains the
+state the rank holds (anything it does not is named, never merged) and gives
+what travels; :func:`merge_stage` merges every rank's record (and a resumed
+stage's journal pieces) into what one process would hold, the same on every
+rank; :meth:`StageBook.apply` writes it into this rank's objects.
+:class:`ddp_eval.stage.ShardedStage` runs these around its collectives; tests
+and benchmarks run them for simulated ranks.
+
+Example
+-------
+>>> import types
+>>> from ddp_eval.config import DDPEvalConfig
+>>> from ddp_eval.stage_report import winners_of
+>>> def recipe():
+...     return types.SimpleNamespace(_ddp_brain_attributes=frozenset(), hist=[0, 0], ids=[])
+>>> def batch(brain, b):
+...     brain.hist[b % 2] += 1
+...     brain.ids.append(f"u{b}")
+>>> brains = [recipe(), recipe()]
+>>> books = [StageBook(brain, DDPEvalConfig()) for brain in brains]
+>>> records = []
+>>> for brain, book, positions in zip(brains, books, ([0, 3], [1, 2])):
+...     book.start()
+...     for b in positions:
+...         batch(brain, b)
+...         book.after_batch()
+...     records.append(book.collect(positions))
+>>> merged = merge_stage([record.state for record in records])
+>>> winners = winners_of([record.report for record in records])
+>>> for book, record in zip(books, records):
+...     book.apply(merged, [r.report["layout"] for r in records], winners, [r.bound for r in records])
+>>> brains[1].hist, brains[1].ids
+([2, 2], ['u0', 'u1', 'u2', 'u3'])
+"""
+
+import pickle
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from ddp_eval.attribute_merge import MergeResult, last_candidates, merge_attribute_states
+from ddp_eval.attributes import AttributeTracker, resolve
+from ddp_eval.metric_layout import complete, describe
+from ddp_eval.metric_merge import merge_metric_stats
+from ddp_eval.metrics import MetricFinder, MetricRecorder, apply_merged
+from ddp_eval.values import ELSEWHERE
+
+
+class Collected(NamedTuple):
+    """One rank's record at stage end: ``report`` travels in the stage-end
+    exchange (small), ``state`` in the gather, ``bound`` (pickled objects bound
+    by a batch, by label) only the part whose binding is the globally last."""
+
+    report: Dict[str, Any]
+    state: Tuple[Any, Any]
+    bound: Dict[str, bytes]
+
+
+class StageMerge(NamedTuple):
+    """What one process would hold: merged metric state and attribute changes."""
+
+    metrics: Dict[str, Dict[str, Any]]
+    attributes: MergeResult
+
+
+def merge_stage(states: Sequence[Tuple[Any, Any]]) -> StageMerge:
+    """Merges every contribution's ``(metric state, attribute changes)`` (ranks in
+    order, then a journal's pieces) in global batch order; pure, the same on every rank."""
+    return StageMerge(merge_metric_stats([s[0] for s in states]), merge_attribute_states([s[1] for s in states]))
+
+
+def _holders(metric_objects: Mapping[str, Any]) -> set:
+    """Brain attributes that hold the metric objects found (merged as metric objects)."""
+    return {path.split("[")[0].split(".")[0] for path in metric_objects}
+
+
+class StageBook:
+    """The record of one sharded stage on one rank (see the module's docstring).
+
+    Arguments
+    ---------
+    brain : object
+        The recipe's Brain (its ``_ddp_brain_attributes`` are never watched).
+    config : DDPEvalConfig
+        Which metric objects and attributes to watch, and the memory budget.
+    """
+
+    def __init__(self, brain: Any, config: Any) -> None:
+        self.brain, self.config = brain, config
+        self.metrics = MetricRecorder(MetricFinder(config.metrics_include, config.metrics_exclude), brain)
+        targets = {n: (brain, n) for n in self.attribute_names(self.metrics.objects)}
+        targets.update(self.metrics.fields)  # a metric object's fields that are not flat lists: one engine
+        for path in config.attributes_include or ():
+            if "." in path and path not in config.attributes_exclude:
+                targets[path] = resolve(brain, path)
+        self.attributes = AttributeTracker(targets, config.attribute_memory_mb)
+
+    def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
+        """Plain attributes of the recipe's Brain that may be merged (not those
+        holding the ``metric_objects`` found, nor what ``sb.Brain`` set up)."""
+        cfg, brain = self.config, self.brain
+        names = set(vars(brain)) - brain._ddp_brain_attributes - _holders(metric_objects)
+        names -= set(cfg.attributes_exclude) | {"on_stage_start", "on_stage_end", "ddp_eval_config"}
+        plain = [n for n in cfg.attributes_include or () if "." not in n]
+        if plain:  # names without a dot restrict the Brain's attributes; paths only add
+            names &= set(plain)
+        return sorted(n for n in names if not n.startswith("_ddp"))
+
+    def start(self) -> None:
+        """Right before the first batch: numbers and tensors get their probes."""
+        self.attributes.before_batch()
+
+    def after_batch(self) -> None:
+        """Notes what the batch just evaluated did, and prepares the next."""
+        self.observe()
+        self.attributes.before_batch()
+
+    def observe(self) -> None:
+        """Notes what the batch just evaluated did (the values are plain until the
+        next :meth:`start`-like preparation, ``attributes.before_batch()``)."""
+        objects = self.metrics.after_batch(self.brain)
+        self.attributes.drop(_holders(objects) & set(self.attributes.tracks))
+        self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
+        self.attributes.after_batch()
+
+    def collect(self, positions: Sequence[int]) -> Collected:
+        """At stage end (probes out): this rank's record, its batches at the global
+        ``positions``; what the record does not explain is named in ``unmergeable``."""
+        metric_state = self.metrics.finish(self.brain, positions)
+        changes, unmergeable = self.attributes.finish(positions)
+        unmergeable.update(self.metrics.unexplained())
+        bound, last = {}, {}
+        objects = self.attributes.bound_objects()
+        for path, position in last_candidates(changes).items():
+            try:
+                bound[path] = pickle.dumps(objects[path])
+                last[path] = (position, None)
+            except Exception as exc:  # named only if this rank's object is the one to send
+                last[path] = (position, f"{type(exc).__name__}: {exc}")
+        changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
+        report = {"layout": describe(self.metrics, self.brain, positions), "unmergeable": unmergeable,
+                  "last": last, "changed": changed, "batches": self.metrics.batches}
+        return Collected(report, (metric_state, changes), bound)
+
+    def finish_alone(self, positions: Sequence[int]) -> None:
+        """One process that evaluated every batch: probes out, nothing to merge."""
+        self.metrics.finish(self.brain, positions)
+        self.attributes.finish(positions)
+
+    def apply(self, merged: StageMerge, layouts: Sequence[Mapping[str, Any]], winners: Mapping[str, int],
+              won: Sequence[Mapping[str, bytes]], rank: Optional[int] = None, stage: str = "") -> None:
+        """Writes ``merged`` into this rank's metric objects and attributes: the
+        metric objects every rank holds (``layouts``) made here if missing, a
+        ``LAST`` merge's value taken from ``won[winners[label]]`` (pickled), or
+        kept where this ``rank`` won."""
+        objects = complete(self.brain, self.metrics, layouts, stage)
+        apply_merged(objects, self.metrics.start, merged.metrics)
+
+        def last_value(label: str) -> Any:
+            winner = winners.get(label)
+            return ELSEWHERE if winner == rank else pickle.loads(won[winner][label])
+
+        self.attributes.apply(merged.attributes.merged, self.locate, last_value)
+
+    def locate(self, label: str) -> Tuple[Any, Any]:
+        """``(owner, name)`` of a watched label."""
+        if label in self.metrics.fields:
+            return self.metrics.fields[label]
+        return resolve(self.brain, label) if "." in label else (self.brain, label)
+
+    def release(self) -> None:
+        """The stage ended by an exception: plain numbers and factories back."""
+        self.attributes.release()
+
+
+def simulate(positions_per_rank: Sequence[Sequence[int]], make, batch, config) -> Tuple[List[Any], List[Collected],
+                                                                                      StageMerge]:
+    """Runs one stage for simulated ranks in this process, with the stage's own
+    record, merge and apply (no collectives: what they exchange is passed by
+    hand, pickled as it travels): ``make()`` builds a rank's Brain,
+    ``batch(brain, b)`` runs global batch ``b``. Returns ``(brains after the
+    merge, records, merge)``; used by tests and benchmarks.
+    """
+    from ddp_eval.stage_report import winners_of  # the stage's own rule for LAST values
+
+    brains = [make() for _ in positions_per_rank]
+    books = [StageBook(brain, config) for brain in brains]
+    records = []
+    for brain, book, positions in zip(brains, books, positions_per_rank):
+        book.start()
+        for b in positions:
+            batch(brain, b)
+            book.after_batch()
+        records.append(pickle.loads(pickle.dumps(book.collect(list(positions)))))
+    merged = merge_stage([r.state for r in records])
+    winners = winners_of([r.report for r in records])
+    won = [{label: blob for label, blob in r.bound.items() if winners.get(label) == rank}
+           for rank, r in enumerate(records)]
+    for rank, book in enumerate(books):
+        book.apply(merged, [r.report["layout"] for r in records], winners, won, rank)
+    return brains, records, merged
+
