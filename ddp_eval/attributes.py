@@ -187,6 +187,9 @@ class Slot:
             set_value(self.owner, self.name, self.obj)  # the plain tensor back
             return None, self.obj
         if what == "ops":
+            if self.watch.observe(batch, self.obj):  # changed in place, then rebuilt, in one batch
+                self.fail("a batch changed it in place and rebuilt it from its previous value")
+                return True, value
             return self._rebuild(batch, plain_value(value), data), value
         if what == "derived":
             self.fail(f"a batch computed a new {type(data).__name__} from the previous one by more than +, - or "

@@ -37,7 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ddp_eval.values import numpy
+from ddp_eval.values import is_array, numpy
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__"}
 _SUB = {"sub", "__sub__"}
@@ -63,16 +63,22 @@ class _Record:
         if name in _NO_READ or out is root:  # metadata, or changed in place (seen by _version)
             return
         if name in _ADD and len(args) == 2 and not kwargs and any(a is root for a in args):
-            self.results.append((out, "+", args[1] if args[0] is root else args[0]))
+            self._result(out, "+", args[1] if args[0] is root else args[0])
         elif name in _SUB and len(args) == 2 and not kwargs and args[0] is root:
-            self.results.append((out, "-", args[1]))
+            self._result(out, "-", args[1])
         elif (name in _CAT and args and isinstance(args[0], (list, tuple)) and args[0] and args[0][0] is root
               and _axis(args, kwargs) == 0 and len(args) <= 2):
             rest = [_plain(x) for x in args[0][1:]]
             tail = rest[0] if len(rest) == 1 else _cat(rest)
-            self.results.append((out, "&", tail))
+            self._result(out, "&", tail)
         else:
             self.used = True
+
+    def _result(self, out: Any, op: str, operand: Any) -> None:
+        """A value computed from the probe by ``op``, with what tells a later
+        in-place change of it (``x = x + y; x += z``): its version, or a copy."""
+        mark = out._version if isinstance(out, torch.Tensor) else (numpy.array(out) if is_array(out) else None)
+        self.results.append((out, op, operand, mark))
 
 
 def _axis(args: tuple, kwargs: dict) -> int:
@@ -206,10 +212,20 @@ def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:
     record = probe._ddp_record
     if value is probe:
         return "same", None
-    for out, op, operand in record.results:
+    for out, op, operand, mark in record.results:
         if out is value:
+            if _changed_since(value, mark):  # rebuilt, then changed in place: derived
+                return "derived", _plain(value)
             return "ops", [(op, _copy(operand))]
     return ("derived" if record.used or record.results else "set"), _plain(value)
+
+
+def _changed_since(value: Any, mark: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value._version != mark
+    if is_array(value):
+        return not numpy.array_equal(value, mark, equal_nan=True)
+    return False
 
 
 def _copy(operand: Any) -> Any:
@@ -233,13 +249,23 @@ def extends(old: Any, new: Any) -> Optional[Tuple[str, Any]]:
 
 
 def shares_entries(old: Any, new: Any) -> bool:
-    """Whether list or tuple ``new`` holds an entry of ``old`` by identity (floats and
-    objects, not small ints, strings or None, which Python shares): ``sorted(old +
-    [x])`` and the like, a value derived from the old one."""
-    if not isinstance(old, (list, tuple)) or not isinstance(new, (list, tuple)):
+    """Whether list or tuple ``new`` looks computed from ``old`` (``sorted(old + [x])``,
+    a filter): it holds an entry of ``old`` by identity that Python does not share
+    between unrelated values (a float, an object: not an int, string or None), or it
+    is longer and holds every entry of ``old``.
+
+    Example
+    -------
+    >>> ids = ["u2", "u1"]
+    >>> shares_entries(ids, sorted(ids + ["u3"])), shares_entries(ids, ["u3"])
+    (True, False)
+    """
+    if not isinstance(old, (list, tuple)) or not isinstance(new, (list, tuple)) or not old:
         return False
     held = {id(x) for x in old if not isinstance(x, (int, str, bytes, type(None)))}
-    return bool(held) and any(id(x) in held for x in new)
+    if held and any(id(x) in held for x in new):
+        return True
+    return len(new) > len(old) and {id(x) for x in old} <= {id(x) for x in new}
 
 
 def _on_device_of(a: Any, b: Any) -> Any:

@@ -120,7 +120,7 @@ class BoundWatch(Watch):
         super().__init__(slot, obj)
         self.size = _size(obj)
         # an object of another kind (a holder): its own attributes, one level deep, once per binding
-        self.marker = _marker(obj, depth=1) if self.size is None and not is_array(obj) else None
+        self.marker = _marker(obj, depth=1) if self.size is None else None
 
     def observe(self, batch: int, value: Any) -> bool:
         size = _size(value)
@@ -131,8 +131,12 @@ class BoundWatch(Watch):
 
 
 def _size(obj: Any) -> Any:
+    """What an in-place change of a bound object changes: a container's length, a
+    tensor's ``_version``, a NumPy array's checksum (it has no version)."""
     if isinstance(obj, (list, dict, set)):
         return len(obj)
+    if is_array(obj):
+        return zlib.crc32(numpy.ascontiguousarray(obj).data)
     return obj._version if isinstance(obj, torch.Tensor) else None
 
 
