@@ -2,13 +2,13 @@ from setuptools import find_packages, setup
 
 setup(
     name="ddp_eval",
-    version="0.3.0",
+    version="0.4.0",
     description="Exact, sharded validation/test and crash-safe checkpoints for SpeechBrain under torchrun",
     packages=find_packages(include=["ddp_eval", "ddp_eval.*"]),
     python_requires=">=3.9",
     # Lower bounds: the oldest pair CI tests (.ci/run; README: Supported versions).
     install_requires=["speechbrain>=1.0.3", "torch>=2.4.1", "torchaudio>=2.4.1", "hyperpyyaml", "pyyaml", "soundfile"],
     # sacrebleu: SpeechBrain's BLEUStats, in the recipe-pattern tests.
-    extras_require={"test": ["pytest>=7", "pytest-timeout", "webdataset", "ruff", "sacrebleu"],
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "webdataset", "ruff", "sacrebleu", "hypothesis>=6"],
                     "bench": ["matplotlib"]},
 )

@@ -46,7 +46,7 @@ from ddp_eval.metrics import find_metric_objects
 from ddp_eval.mixin import DDPEvalMixin
 from ddp_eval.sharding import ShardedBatchSampler, ShardedStreamLoader, shard_batches, shard_dataloader
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DDPEvalMixin",

@@ -39,7 +39,7 @@ import torch
 
 from ddp_eval.commit import write_file_atomically
 
-FORMAT = 2  # 2: attribute changes as ddp_eval.values.Change, per-batch files
+FORMAT = 3  # 3 (0.4.0): metric objects' other fields as attribute changes, list entries, rebuilt values; 2: 0.3
 JOURNAL_DIRNAME = ".ddp_eval-journal"
 PIECE_PREFIX = "piece-"
 

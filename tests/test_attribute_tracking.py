@@ -4,15 +4,16 @@ compared with one process running the same batches (no process group: the
 multi-process path of the same code is tests/test_recipe_patterns.py)."""
 
 import collections
-import pickle
 import types
 
 import numpy as np
 import pytest
 import torch
 
-from ddp_eval.attribute_merge import last_candidates, last_writer, merge_attribute_states
+from ddp_eval.attribute_merge import merge_attribute_states
 from ddp_eval.attributes import AttributeTracker
+from ddp_eval.bookkeeping import simulate as simulate_stage
+from ddp_eval.config import DDPEvalConfig
 from ddp_eval.metrics import MetricFinder, MetricRecorder, merge_metric_stats
 from ddp_eval.probes import is_probe
 from ddp_eval.values import ELSEWHERE, Kind
@@ -24,37 +25,24 @@ LAYOUTS = {"2 ranks": [[0, 3, 4], [1, 2, 5]], "3 ranks, one idle": [[0, 3], [1, 
 
 
 def simulate(make, batch, layout, budget_mb=64.0):
-    """``(one process, [each rank after the merge], result)`` for ``batch(holder, b)``
-    run over every batch, and over each rank's share (``layout``)."""
+    """``(one process, [each rank after the merge], merge result)`` for ``batch(holder, b)``
+    run over every batch, and over each rank's share (``layout``), with the stage's own
+    record, merge and apply (:func:`ddp_eval.bookkeeping.simulate`)."""
     single = make()
     for b in range(sum(map(len, layout))):
         batch(single, b)
-    holders, trackers, states = [], [], []
-    for positions in layout:
+
+    def brain():
         holder = make()
-        tracker = AttributeTracker({name: (holder, name) for name in vars(holder)}, budget_mb)
-        tracker.before_batch()
-        for b in positions:
-            batch(holder, b)
-            tracker.add({name: (holder, name) for name in vars(holder)})  # as the stage: attributes created
-            tracker.after_batch()
-            tracker.before_batch()
-        changes, unmergeable = tracker.finish(positions)
-        assert not unmergeable, unmergeable
-        holders.append(holder)
-        trackers.append(tracker)
-        states.append(pickle.loads(pickle.dumps(changes)))  # as they travel
-    result = merge_attribute_states(states)
-    candidates = [last_candidates(s) for s in states]
-    winners = {path: last_writer([(r, c[path]) for r, c in enumerate(candidates) if path in c])
-               for path in set().union(*candidates)}
-    bound = [t.bound_objects() for t in trackers]
-    for rank, (holder, tracker) in enumerate(zip(holders, trackers)):
-        def last_value(label, rank=rank):
-            winner = winners[label]
-            return ELSEWHERE if winner == rank else pickle.loads(pickle.dumps(bound[winner][label]))
-        tracker.apply(result.merged, lambda label, h=holder: (h, label), last_value)
-    return single, holders, result
+        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        return holder
+
+    holders, records, merged = simulate_stage(layout, brain, batch, DDPEvalConfig(attribute_memory_mb=budget_mb))
+    for record in records:
+        assert not record.report["unmergeable"], record.report["unmergeable"]
+    for holder in holders:
+        del holder._ddp_brain_attributes
+    return single, holders, merged.attributes
 
 
 def assert_same(single, holder):
