@@ -31,6 +31,7 @@ import array
 import os
 import pathlib
 import sys
+import threading
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -97,18 +98,21 @@ def write_outputs(merged: Mapping[str, List[bytes]]) -> None:
 
 class AppendWatch:
     """Files opened for appending while batches of a sharded stage run on this
-    rank (``sys.addaudithook``; the hook does nothing between stages)."""
+    rank, by the thread that runs them (``sys.addaudithook``; the hook does
+    nothing between stages, nor for a data-loading or logging thread)."""
 
     active: Optional["AppendWatch"] = None
     _installed = False
 
     def __init__(self) -> None:
         self.paths: Dict[str, None] = {}  # in the order first opened
+        self.thread: Optional[int] = None  # the batch loop's thread
 
     def __enter__(self) -> "AppendWatch":
         if not AppendWatch._installed:
             sys.addaudithook(_audit)
             AppendWatch._installed = True
+        self.thread = threading.get_ident()
         AppendWatch.active = self
         return self
 
@@ -125,7 +129,7 @@ class AppendWatch:
 
 def _audit(event: str, args: Tuple[Any, ...]) -> None:
     watch = AppendWatch.active
-    if watch is not None and event == "open" and len(args) == 3:
+    if watch is not None and event == "open" and len(args) == 3 and threading.get_ident() == watch.thread:
         watch.opened(*args)
 
 

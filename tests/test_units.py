@@ -163,3 +163,20 @@ def test_metric_finder_scans_only_what_a_container_gained():
     assert list(finder.find(h)) == ["metrics[a]", "scores[10]"]
     h.metrics["a"] = sb.utils.metric_stats.ErrorRateStats()  # replaced: the new one is found
     assert finder.find(h)["metrics[a]"] is h.metrics["a"]
+
+
+def test_append_watch_sees_the_batch_loop_thread_only(tmp_path):
+    """A file a data-loading or logging thread appends to during a stage is not the
+    recipe's per-batch file (issue 27)."""
+    import threading
+
+    from ddp_eval.effects import AppendWatch
+
+    watch = AppendWatch()
+    with watch:
+        other = threading.Thread(target=lambda: open(tmp_path / "log.txt", "a").close())
+        other.start()
+        other.join()
+        with open(tmp_path / "predictions.jsonl", "a"):
+            pass
+    assert list(watch.paths) == [str(tmp_path / "predictions.jsonl")]
