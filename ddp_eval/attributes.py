@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddp_eval.errors import ConfigError
 from ddp_eval.probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
-from ddp_eval.rebuilt import extends, make_probe, plain_value, read_rebuilt, shares_entries
+from ddp_eval.rebuilt import extends, handed_back, make_probe, plain_value, read_rebuilt, shares_entries
 from ddp_eval.values import ABSENT, ELSEWHERE, Budget, Change, Kind, get_value, is_mutable, is_number, set_value
 from ddp_eval.watches import ArrayWatch, BoundWatch, DictWatch, ListWatch, TensorWatch, make_watch
 
@@ -119,6 +119,7 @@ class Slot:
         self.probe = None
         self.rebuilt_probe = None  # a tensor's or array's probe during a batch (ddp_eval.rebuilt)
         self.over_none = False  # the first binding was over None (an assignment, not a creation)
+        self.told_set = False  # this batch's probe saw a new value bound, the old one unused
         self.watch = make_watch(self, self.start)
 
     def fail(self, why: str) -> None:
@@ -182,10 +183,14 @@ class Slot:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
         (``changed`` None: see the watch, or a new object bound)."""
         probe, self.rebuilt_probe = self.rebuilt_probe, None
+        appended = handed_back(probe, self.obj)  # an empty list's probe: what batches appended to it
         what, data = read_rebuilt(probe, value)
         if what == "same":
-            set_value(self.owner, self.name, self.obj)  # the plain tensor back
+            set_value(self.owner, self.name, self.obj)  # the plain tensor, array or list back
             return None, self.obj
+        if appended:
+            self.fail("a batch appended to it, then bound a new value to it")
+            return True, value
         if what == "ops":
             if self.watch.observe(batch, self.obj):  # changed in place, then rebuilt, in one batch
                 self.fail("a batch changed it in place and rebuilt it from its previous value")
@@ -197,6 +202,7 @@ class Slot:
                       "cannot tell how to merge it; accumulate with += or torch.cat, or compute it in on_stage_end")
             return True, value
         set_value(self.owner, self.name, data)  # a new value; the probe is not left in the user's object
+        self.told_set = True  # the probe saw the old value unused: set anew, not extended
         return None, data
 
     def _rebuild(self, batch: int, value: Any, ops: List[Tuple[str, Any]]) -> bool:
@@ -217,7 +223,8 @@ class Slot:
 
     def _bind(self, batch: int, value: Any) -> bool:
         """A batch bound a new object to the attribute (``=``)."""
-        if isinstance(self.obj, (list, tuple)) and not self.watch.changes_after(
+        told_set, self.told_set = self.told_set, False
+        if isinstance(self.obj, (list, tuple)) and not told_set and not self.watch.changes_after(
                 -1 if self.assigned_at is None else self.assigned_at):
             grown = extends(self.obj, value)
             if grown is not None:  # ids = ids + [utt]
@@ -285,6 +292,7 @@ class Slot:
             set_value(self.owner, self.name, plain(self.probe))
             self.probe = None
         if self.rebuilt_probe is not None:
+            handed_back(self.rebuilt_probe, self.obj)
             if get_value(self.owner, self.name) is self.rebuilt_probe:
                 set_value(self.owner, self.name, self.obj)
             self.rebuilt_probe = None

@@ -77,7 +77,10 @@ class _Record:
     def _result(self, out: Any, op: str, operand: Any) -> None:
         """A value computed from the probe by ``op``, with what tells a later
         in-place change of it (``x = x + y; x += z``): its version, or a copy."""
-        mark = out._version if isinstance(out, torch.Tensor) else (numpy.array(out) if is_array(out) else None)
+        if isinstance(out, (list, tuple)):
+            mark = tuple(map(id, out))
+        else:
+            mark = out._version if isinstance(out, torch.Tensor) else (numpy.array(out) if is_array(out) else None)
         self.results.append((out, op, operand, mark))
 
 
@@ -156,6 +159,42 @@ else:  # pragma: no cover - torch installs numpy
     _ARRAY_TYPES = ()
 
 
+class _EmptyProbe:
+    """What the probes of an empty list and an empty tuple share: ``+`` gives a
+    plain one and is noted; any read of the value is a use; a list's in-place
+    changes (``append``, ``extend``) are kept and handed back after the batch."""
+
+    def __add__(self, other):
+        result = self._base.__add__(self._base(self), other)
+        if result is not NotImplemented:
+            self._ddp_record._result(result, "&", self._base(other))
+        return result
+
+    def __reduce__(self):
+        return self._base, (self._base(self),)
+
+
+def _reading(name: str):
+    def method(self, *args, **kwargs):
+        self._ddp_record.used = True
+        return getattr(self._base, name)(self, *args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+_READS = ("__iter__", "__len__", "__bool__", "__getitem__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__",
+          "__gt__", "__ge__", "__radd__", "__mul__", "__rmul__", "__reversed__", "index", "count", "copy")
+
+
+def _empty_probe_class(base: type) -> type:
+    namespace = {name: _reading(name) for name in _READS if hasattr(base, name)}
+    namespace.update(_base=base, __hash__=base.__hash__)
+    return type(f"Empty{base.__name__.capitalize()}Probe", (_EmptyProbe, base), namespace)
+
+
+EmptyListProbe, EmptyTupleProbe = _empty_probe_class(list), _empty_probe_class(tuple)
+
+
 class _Used:
     """The record seen through a view of a probe: every use is a use."""
 
@@ -188,6 +227,8 @@ def _plain(value: Any) -> Any:
         return value.as_subclass(torch.Tensor)
     if ArrayProbe is not None and isinstance(value, ArrayProbe):
         return value.view(numpy.ndarray)
+    if isinstance(value, _EmptyProbe):
+        return value._base(value)
     return value
 
 
@@ -195,12 +236,25 @@ plain_value = _plain
 
 
 def make_probe(value: Any) -> Any:
-    """A probe for a tensor or array attribute, or None for other values."""
+    """A probe for a tensor, array, empty list or empty tuple attribute, or None for other values."""
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
         return tensor_probe(value)
     if numpy is not None and type(value) is numpy.ndarray:
         return array_probe(value)
+    if (type(value) is list or type(value) is tuple) and not value:
+        probe = (EmptyListProbe if type(value) is list else EmptyTupleProbe)()
+        probe._ddp_record = _Record(probe)
+        return probe
     return None
+
+
+def handed_back(probe: Any, original: Any) -> bool:
+    """After a batch: moves what a batch appended in place to an empty list's probe
+    into the list it stood for; whether there was any."""
+    if isinstance(probe, EmptyListProbe) and list.__len__(probe):
+        original.extend(list.__iter__(probe))
+        return True
+    return False
 
 
 def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:
@@ -221,6 +275,8 @@ def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:
 
 
 def _changed_since(value: Any, mark: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return tuple(map(id, value)) != mark
     if isinstance(value, torch.Tensor):
         return value._version != mark
     if is_array(value):

@@ -93,7 +93,10 @@ def is_mutable(value: Any) -> bool:
 
 
 def set_value(owner: Any, name: Any, value: Any) -> None:
-    """Binds ``owner.name`` (or ``owner[name]``) to ``value``."""
+    """Binds ``owner.name`` (or ``owner[name]``) to ``value``; nothing for an entry a
+    list no longer has."""
+    if isinstance(owner, list) and name >= len(owner):
+        return
     if isinstance(owner, (dict, list)):
         owner[name] = value
     else:

@@ -3,6 +3,10 @@ per-batch operations on Brain attributes and metric-object fields, run as one pr
 and as N simulated ranks over any split of the batches (a rank with none included),
 every value on every rank equals one process's, or is named at stage end (in the
 report of what cannot be merged, or in the merge's conflicts and assumptions).
+Programs whose batches branch on what earlier batches accumulated (``if self.items:
+self.items.pop()``) are outside the invariant: a rank sees only its own earlier
+batches and no record shows the read (``verify`` finds such a recipe;
+docs/exactness.md); the grammar's operations do not branch.
 
 Ranks are simulated with the stage's own record, merge and apply
 (:func:`ddp_eval.bookkeeping.simulate`): only the collectives are left out, and
@@ -16,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from speechbrain.utils.metric_stats import MetricStats
 
@@ -98,7 +102,7 @@ OPERATIONS = {
     "array_rebuilt": lambda h, b: setattr(h, "arr", h.arr + _value(b)),
     "list_rebuilt": lambda h, b: setattr(h, "ids", h.ids + [f"u{b}"]),
     "list_sorted": lambda h, b: setattr(h, "ids", sorted(h.ids + [f"u{b}"], reverse=True)),
-    "pop": lambda h, b: h.items.pop() if h.items else None,
+    "pop": lambda h, b: h.hist.pop(),
     "delete": lambda h, b: h.table.pop("a", None),
     "metric_append": lambda h, b: h.stats.ids.append(f"u{b}"),
     "metric_dict": lambda h, b: h.stats.per_spk.setdefault(f"s{b % 2}", []).append(b),
@@ -124,8 +128,11 @@ def _run(n_batches, world_size, start, per_batch_ops, owners):
             OPERATIONS[name](h, b)
 
     single = Brain(start)
-    for b in range(n_batches):
-        batch(single, b)
+    try:
+        for b in range(n_batches):
+            batch(single, b)
+    except IndexError:  # the program fails in one process (pop from an empty list): not a recipe
+        return single, None, None
     layout = [[b for b in range(n_batches) if owners[b] == r] for r in range(world_size)]
     try:
         brains, records, merged = simulate(layout, lambda: Brain(start), batch, DDPEvalConfig())
@@ -140,12 +147,28 @@ def _run(n_batches, world_size, start, per_batch_ops, owners):
 
 def _within_rounding(got, want):
     """Float tensors and arrays changed in place are rebuilt from per-batch increments:
-    equal to one process up to the documented rounding bound (docs/exactness.md)."""
+    equal to one process within the documented bound 2 n eps max|value| (n <= 8 batches
+    here; docs/exactness.md)."""
     if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.is_floating_point():
-        return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-12, atol=1e-15))
+        bound = 2 * 8 * torch.finfo(want.dtype).eps * float(want.abs().max()) if want.numel() else 0.0
+        return got.shape == want.shape and got.dtype == want.dtype and bool(((got - want).abs() <= bound).all())
     if isinstance(got, np.ndarray) and isinstance(want, np.ndarray) and got.dtype.kind == "f":
-        return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-12, atol=1e-15))
+        bound = 2 * 8 * np.finfo(want.dtype).eps * float(np.abs(want).max()) if want.size else 0.0
+        return got.shape == want.shape and bool((np.abs(got - want) <= bound).all())
     return False
+
+
+def _difference(got, want, path):
+    """:func:`first_difference`, float tensors and arrays within the rounding bound, at any depth."""
+    if _within_rounding(got, want):
+        return None
+    if isinstance(want, RecipeStats) and isinstance(got, RecipeStats):
+        for field, value in vars(want).items():
+            found = _difference(getattr(got, field, None), value, f"{path}.{field}")
+            if found:
+                return found
+        return None
+    return first_difference(got, want, path)
 
 
 def _top(label):
@@ -157,13 +180,13 @@ def check_program(n_batches, world_size, start, data):
                  for b in range(n_batches)]
     owners = [data.draw(st.integers(0, world_size - 1), label=f"owner of {b}") for b in range(n_batches)]
     single, brains, named = _run(n_batches, world_size, start, per_batch, owners)
+    assume(named is not None)
     if brains is None:
         return "error"
     tops = {_top(label) for label in named}
     for rank, brain in enumerate(brains):
         for name, want in vars(single).items():
-            got = getattr(brain, name)
-            difference = None if _within_rounding(got, want) else first_difference(got, want, name)
+            difference = _difference(getattr(brain, name), want, name)
             assert difference is None or name in tops, (
                 f"rank {rank}: {difference} differs from one process and is not named (named: {sorted(named)}); "
                 f"program {per_batch}, owners {owners}")
@@ -201,11 +224,10 @@ ORDINARY = ["append", "extend", "hist", "nested", "dict_add", "setdefault", "iad
 @pytest.mark.fast
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 def test_ordinary_programs_are_exact_and_name_nothing(world_size):
-    """What recipes write, every operation in every batch, 2 batches per rank or more
-    (one batch per rank cannot tell a rebuild over an empty list from a new one):
-    nothing named, every value equal to one process. Guards the invariant's test
+    """What recipes write, every operation in every batch, with one batch on the last
+    rank: nothing named, every value equal to one process. Guards the invariant's test
     against passing by naming everything."""
-    n_batches = 2 * world_size + 1
+    n_batches = 2 * world_size - 1
     owners = [b % world_size for b in range(n_batches)]
     single, brains, named = _run(n_batches, world_size, False, [ORDINARY] * n_batches, owners)
     assert named == set(), named
@@ -216,8 +238,8 @@ def test_ordinary_programs_are_exact_and_name_nothing(world_size):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("operation,label", [("max", "total"), ("tensor_max", "vec"), ("list_sorted", "ids"),
-                                             ("hist_max", "hist"), ("pop", "items"), ("metric_max", "stats")])
+                                             ("hist_max", "hist"), ("pop", "hist"), ("metric_max", "stats")])
 def test_what_cannot_be_merged_is_named_not_guessed(operation, label):
-    n_batches, world_size = 5, 2
+    n_batches, world_size = 3, 2
     _, _, named = _run(n_batches, world_size, True, [[operation]] * n_batches, [b % 2 for b in range(n_batches)])
     assert label in {_top(x) for x in named} or (isinstance(named, str) and label in named), named
