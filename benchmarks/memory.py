@@ -51,16 +51,17 @@ def per_batch_costs(batches=20000):
 
     import speechbrain as sb
 
-    from ddp_eval.attributes import AttributeTracker
-    from ddp_eval.metrics import MetricFinder, MetricRecorder
+    from ddp_eval.bookkeeping import StageBook
+    from ddp_eval.config import DDPEvalConfig
     from ddp_eval.watches import DictWatch, ListWatch
 
     holder = types.SimpleNamespace(wer=sb.utils.metric_stats.ErrorRateStats(), acc_metric=[], predictions={},
-                                   n_correct=0, last_loss=0.0, last_loss_stats={}, last_batch=None)
-    recorder = MetricRecorder(MetricFinder(), holder)
-    tracker = AttributeTracker({n: (holder, n) for n in vars(holder) if n != "wer"})
+                                   n_correct=0, last_loss=0.0, last_loss_stats={}, last_batch=None,
+                                   _ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}))
+    book = StageBook(holder, DDPEvalConfig())  # the stage's own per-batch record
+    recorder, tracker = book.metrics, book.attributes
     windows = {}
-    tracker.before_batch()
+    book.start()
     for b in range(batches):
         ids = [f"u{b}-{i}" for i in range(4)]
         holder.wer.append(ids, [["a", "b"]] * 4, [["a", "c"]] * 4)
@@ -71,9 +72,7 @@ def per_batch_costs(batches=20000):
         holder.last_loss_stats["VALID"] = {"loss": holder.last_loss}
         holder.last_batch = (ids, b)
         t = time.perf_counter()
-        recorder.after_batch(holder)
-        tracker.after_batch()
-        tracker.before_batch()
+        book.after_batch()
         elapsed = time.perf_counter() - t
         windows.setdefault("first 1000" if b < 1000 else "last 1000" if b >= batches - 1000 else None, []).append(
             elapsed)
@@ -87,6 +86,41 @@ def per_batch_costs(batches=20000):
     return {"batches": batches, "us_per_batch_first_1000": 1e6 * statistics.mean(windows["first 1000"]),
             "us_per_batch_last_1000": 1e6 * statistics.mean(windows["last 1000"]),
             "record_bytes_per_batch": kept / batches}
+
+
+def stage_edge_costs(sizes=(10_000, 100_000)):
+    """Time of the stage-start record (fingerprints of every watched value) and of the
+    stage-end check and collection, on a Brain holding ``size`` entries from earlier
+    stages (a list, a dict, an ErrorRateStats), after 100 batches: what issue 26's
+    check adds once per stage, flat in the number of batches."""
+    import types
+
+    import speechbrain as sb
+
+    from ddp_eval.bookkeeping import StageBook
+    from ddp_eval.config import DDPEvalConfig
+
+    out = {}
+    for size in sizes:
+        wer = sb.utils.metric_stats.ErrorRateStats()
+        wer.append([f"old{i}" for i in range(size)], [["a"]] * size, [["a"]] * size)
+        holder = types.SimpleNamespace(wer=wer, history=[0.5 * i for i in range(size)],
+                                       results={f"u{i}": i for i in range(size)}, hist=[0] * 10, n=0,
+                                       _ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}))
+        t = time.perf_counter()
+        book = StageBook(holder, DDPEvalConfig())
+        book.start()
+        started = time.perf_counter() - t
+        for b in range(100):
+            holder.history.append(b)
+            holder.hist[b % 10] += 1
+            holder.n += 1
+            holder.wer.append([f"n{b}"], [["a"]], [["b"]])
+            book.after_batch()
+        t = time.perf_counter()
+        book.collect(list(range(100)))
+        out[size] = {"start_ms": 1e3 * started, "end_ms": 1e3 * (time.perf_counter() - t)}
+    return out
 
 
 def main():
@@ -131,10 +165,12 @@ def main():
     import torch
 
     per_batch = per_batch_costs()
+    edges = stage_edge_costs()
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "python": platform.python_version(), "torch": torch.__version__,
               "speechbrain": speechbrain.__version__, "data": source, "repeats": args.repeats,
-              "wall_s": round(time.time() - start, 1), "cases": table, "per_batch": per_batch}
+              "wall_s": round(time.time() - start, 1), "cases": table, "per_batch": per_batch,
+              "stage_edges": edges}
     with open(os.path.join(OUT, "memory.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"Measured {result['date']}, {result['machine']}, torch {result['torch']}, SpeechBrain "
@@ -152,6 +188,9 @@ def main():
           f"{pb['us_per_batch_first_1000']:.0f} us a batch over the first 1000, "
           f"{pb['us_per_batch_last_1000']:.0f} us over the last 1000; {pb['record_bytes_per_batch']:.0f} bytes of "
           "records kept a batch.")
+    print("Stage start (record and fingerprints) / stage end (check and collect) on a Brain holding N entries from "
+          "earlier stages: " + "; ".join(f"N = {n}: {e['start_ms']:.1f} / {e['end_ms']:.1f} ms" for n, e in
+                                          edges.items()) + ".")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,23 @@ import logging
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from ddp_eval.errors import ConfigError
 from ddp_eval.probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
 from ddp_eval.rebuilt import extends, handed_back, make_probe, plain_value, read_rebuilt, shares_entries
-from ddp_eval.values import ABSENT, ELSEWHERE, Budget, Change, Kind, get_value, is_mutable, is_number, set_value
+from ddp_eval.values import (
+    ABSENT,
+    ELSEWHERE,
+    Budget,
+    Change,
+    Kind,
+    get_value,
+    is_mutable,
+    is_number,
+    numpy,
+    set_value,
+)
 from ddp_eval.watches import ArrayWatch, BoundWatch, DictWatch, ListWatch, TensorWatch, make_watch
 
 logger = logging.getLogger(__name__)
@@ -129,7 +142,8 @@ class Slot:
     def busy(self) -> bool:
         """Whether it needs a look at every batch (a number with probes, a container,
         a tensor or an array); otherwise its identity tells whether a batch changed it."""
-        return self.why is None and ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj))
+        return self.why is None and ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj)
+                                     or (type(self.obj) is tuple and not self.obj))  # an empty tuple's probe
 
     def before_batch(self) -> None:
         """Puts a probe in place of a number (or lets dict entries do so)."""
@@ -139,9 +153,10 @@ class Slot:
             self.probe = probe(self.obj)
             set_value(self.owner, self.name, self.probe)
         else:
-            self.rebuilt_probe = make_probe(self.obj)
-            if self.rebuilt_probe is not None:
-                set_value(self.owner, self.name, self.rebuilt_probe)
+            if type(self.obj) in _PROBED_CONTAINERS:
+                self.rebuilt_probe = make_probe(self.obj)
+                if self.rebuilt_probe is not None:
+                    set_value(self.owner, self.name, self.rebuilt_probe)
             self.watch.before_batch()
 
     def observe(self, batch: int) -> None:
@@ -354,6 +369,8 @@ class Slot:
             _apply_from_nothing(self, kind, data, last_value)
 
 
+_PROBED_CONTAINERS = {torch.Tensor, list, tuple} | ({numpy.ndarray} if numpy is not None else set())
+
 _WATCHES = {Kind.APPEND: ListWatch, Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch, Kind.SUM: (TensorWatch, ArrayWatch),
             Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}
 
@@ -391,6 +408,7 @@ class AttributeTracker:
         self._piece_from = 0  # where the next journal piece starts
         self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget)
                                         for label, (owner, name) in targets.items()}
+        self._busy: List[Slot] = []  # the slots prepared for the batch under way
 
     @property
     def used_bytes(self) -> int:
@@ -405,14 +423,19 @@ class AttributeTracker:
                 self.tracks[label] = Slot(label, owner, name, self.budget, start=ABSENT)
 
     def before_batch(self) -> None:
-        """Before a batch: numbers get their probes."""
-        for slot in self.tracks.values():
+        """Before a batch: numbers, tensors, arrays and empty lists get their probes;
+        the attributes a look at every batch is needed for are noted."""
+        self._busy = [slot for slot in self.tracks.values() if slot.busy()]
+        for slot in self._busy:
             slot.before_batch()
 
     def after_batch(self) -> None:
-        """Notes what the batch just evaluated did."""
+        """Notes what the batch just evaluated did: a look at the busy attributes,
+        an identity check of the others (a string, a bool, a tuple, an object)."""
+        busy = {id(slot) for slot in self._busy}
         for slot in self.tracks.values():
-            slot.observe(self.batches)
+            if id(slot) in busy or get_value(slot.owner, slot.name) is not slot.obj:
+                slot.observe(self.batches)
         self.batches += 1
 
     def finish(self, positions: Sequence[int]) -> Tuple[Dict[str, Change], Dict[str, str]]:

@@ -36,6 +36,7 @@ from ddp_eval.values import is_array
 
 MAX_DEPTH = 4  # containers deeper than this are compared by identity and length
 SMALL_TENSOR = 64  # elements; a smaller tensor is also compared by value
+LARGE = 256  # entries; in a larger container, entries that are containers count by identity and length
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
@@ -57,8 +58,12 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         held.append(value)
         return ("deep", id(value), len(value) if isinstance(value, (list, tuple, dict, set)) else None)
     if isinstance(value, (list, tuple)):
+        if len(value) > LARGE:  # one entry per utterance: by value or identity, flat (C speed for scalars)
+            return (kind.__name__, _flat(value, held))
         return (kind.__name__, tuple(_leaf(x, held, depth + 1) for x in value))
     if isinstance(value, dict):
+        if len(value) > LARGE:
+            return ("dict", _flat(list(value), held), _flat(list(value.values()), held))
         return ("dict", tuple((_leaf(k, held, depth + 1), _leaf(v, held, depth + 1)) for k, v in value.items()))
     if isinstance(value, (set, frozenset)):
         return ("set", len(value), hash(frozenset(map(id, value))) if not all(
@@ -69,6 +74,21 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         return ("object", id(value))
     return ("object", id(value), tuple((k, _leaf(v, held, depth + 1)) for k, v in sorted(own.items(), key=str)
                                        if not callable(v)))
+
+
+def _flat(entries: list, held: List[Any]) -> Any:
+    """A large container's entries: scalars by value (one C-level hash), others by
+    identity (held), containers also by length, tensors also by ``_version``."""
+    scalars = [x for x in entries if type(x) in _SCALAR_TYPES]
+    if len(scalars) == len(entries):
+        return hash(tuple(entries))
+    held.extend(entries)
+    return hash(tuple(x if type(x) in _SCALAR_TYPES else (
+        id(x), len(x) if isinstance(x, (list, tuple, dict, set)) else (
+            x._version if isinstance(x, torch.Tensor) else -1)) for x in entries))
+
+
+_SCALAR_TYPES = {type(None), bool, int, float, complex, str, bytes}
 
 
 class Fingerprint:

@@ -218,8 +218,16 @@ def field_targets(objects: Mapping[str, Any]) -> Dict[str, Tuple[Any, str]]:
             if flat or name in nested or name == "summary" or _merged_elsewhere(value) or (
                     isinstance(sub, MultiMetricStats) and name == "metrics"):  # its metric objects, made per key
                 continue
+            if _is_setting(value):  # a setting (a flag, a token): compared at stage end
+                continue
             targets[f"{path}.{name}"] = (sub, name)
     return targets
+
+
+def _is_setting(value: Any) -> bool:
+    """A field that configures a metric object (``split_tokens``, ``space_token``): a
+    bool, a string or None; not watched per batch, compared at stage end."""
+    return value is None or isinstance(value, (bool, str, bytes))
 
 
 def _pack(items: list) -> Any:
@@ -256,6 +264,8 @@ class MetricRecorder:
             self.slotted.setdefault(label[: -len(name) - 1], set()).add(name)
         self.start: Snapshot = snapshot(self.objects, self.slotted)
         self.start_fields = {path: set(vars(sub)) for path, sub in all_flat(self.objects)}
+        self.settings = {(path, name): value for path, sub in all_flat(self.objects)
+                         for name, value in vars(sub).items() if _is_setting(value)}
         self.batches = 0
         self._piece_from, self._piece_numbers = 0, self.start
         self._last: Dict[Tuple[str, str], int] = {}
@@ -339,6 +349,11 @@ class MetricRecorder:
                 found[f"{path}.{name}"] = (f"a {type(getattr(flat[path], name, None)).__name__} field of a metric "
                                            "object created during the stage changed, and only the list and number "
                                            "fields of such objects are merged: create the object in on_stage_start")
+        for (path, name), value in self.settings.items():
+            now = getattr(flat.get(path), name, None)
+            if path in flat and (now is not value and now != value):
+                found[f"{path}.{name}"] = (f"a setting of the metric object ({value!r}) became {now!r} during the "
+                                           "stage, which no merge follows: set it in on_stage_start")
         for path, sub in flat.items():
             if path in self.start:
                 known = self.start_fields[path]

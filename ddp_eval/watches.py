@@ -119,8 +119,16 @@ class BoundWatch(Watch):
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         super().__init__(slot, obj)
         self.size = _size(obj)
-        # an object of another kind (a holder): its own attributes, one level deep, once per binding
-        self.marker = _marker(obj, depth=1) if self.size is None else None
+        # a tuple: its entries' identities and lengths; a holder object: its own attributes, one level deep
+        self.marker = (_entries_marker(obj) if type(obj) is tuple else _marker(obj, depth=1)) if self.size is None \
+            else None
+
+    def finish(self) -> None:
+        if type(self.obj) is tuple:
+            if self.marker != _entries_marker(self.obj):
+                self.slot.fail("a tuple a batch bound to it, whose entries later changed in place")
+        else:
+            super().finish()
 
     def observe(self, batch: int, value: Any) -> bool:
         size = _size(value)
@@ -128,6 +136,11 @@ class BoundWatch(Watch):
             return False
         self.size, self.last_change = size, batch
         return True
+
+
+def _entries_marker(obj: tuple) -> tuple:
+    """A tuple's entries by identity, and the lengths of those that are containers."""
+    return tuple((id(x), len(x) if isinstance(x, (list, dict, set)) else -1) for x in obj)
 
 
 def _size(obj: Any) -> Any:
@@ -178,7 +191,7 @@ class ListWatch(Watch):
             self.changes.extend((batch, self.length))
             changed = True
         if self.entries:
-            changed = _look_at_entries(self, batch, lambda i: value[i], set()) or changed
+            changed = _look_at_entries(self, batch, value, set()) or changed
         if changed:
             self.last_change = batch
         return changed
@@ -228,12 +241,16 @@ def _entry(watch: Watch, key: Any, start: Any) -> Any:
     return type(slot)(f"{slot.label}[{key!r}]", watch.obj, key, slot.budget, start=start, depth=slot.depth + 1)
 
 
-def _look_at_entries(watch: Any, batch: int, get: Callable[[Any], Any], adopted: set) -> bool:
+def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
     """Observes the entries of a dict or list watch that need a look: those with
     probes or containers, and the others whose object changed."""
     changed, active = False, watch.active
     looked = [(k, watch.entries[k]) for k in active if k not in adopted]
-    looked += [(k, e) for k, e in watch.entries.items() if k not in active and get(k) is not e.obj]
+    if isinstance(value, dict):
+        get = value.get  # dict.get: no defaultdict factory
+        looked += [(k, e) for k, e in watch.entries.items() if k not in active and get(k, ABSENT) is not e.obj]
+    else:
+        looked += [(k, e) for k, e in watch.entries.items() if k not in active and value[k] is not e.obj]
     for key, entry in looked:
         before = entry.changed_batches
         entry.observe(batch)
@@ -313,8 +330,7 @@ class DictWatch(Watch):
                     entry.adopt(batch, value[key], *made)
                     adopted.add(key)
             changed = True
-        get = value.get  # dict.get: no defaultdict factory
-        changed = _look_at_entries(self, batch, lambda k: get(k, ABSENT), adopted) or changed
+        changed = _look_at_entries(self, batch, value, adopted) or changed
         if changed:
             self.last_change = batch
         return changed
