@@ -51,9 +51,9 @@ def per_batch_costs(batches=20000):
 
     import speechbrain as sb
 
-    from ddp_eval.bookkeeping import StageBook
     from ddp_eval.config import DDPEvalConfig
-    from ddp_eval.watches import DictWatch, ListWatch
+    from ddp_eval.state._watches import DictWatch, ListWatch
+    from ddp_eval.state.bookkeeping import StageBook
 
     holder = types.SimpleNamespace(wer=sb.utils.metric_stats.ErrorRateStats(), acc_metric=[], predictions={},
                                    n_correct=0, last_loss=0.0, last_loss_stats={}, last_batch=None,
@@ -97,8 +97,8 @@ def stage_edge_costs(sizes=(10_000, 100_000)):
 
     import speechbrain as sb
 
-    from ddp_eval.bookkeeping import StageBook
     from ddp_eval.config import DDPEvalConfig
+    from ddp_eval.state.bookkeeping import StageBook
 
     out = {}
     for size in sizes:

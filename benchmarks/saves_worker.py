@@ -30,7 +30,7 @@ import speechbrain as sb  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ddp_eval  # noqa: E402
-from ddp_eval.async_save import snapshot_state  # noqa: E402
+from ddp_eval.checkpointing._async_save import snapshot_state  # noqa: E402
 
 
 def _checkpointer(mode, folder, recoverables):

@@ -84,7 +84,7 @@ def eval_worker(rank, world_size, n_items):
     class Timed(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
         pass
 
-    finish = ddp_eval.stage.ShardedStage.finish
+    finish = ddp_eval.stage._sharded.ShardedStage.finish
 
     def timed_finish(stage, local_loss):  # the stage-end merge
         start = time.perf_counter()
@@ -99,7 +99,7 @@ def eval_worker(rank, world_size, n_items):
         sizes.append(sum(len(part) for part in parts))
         return gather(*parts)
 
-    ddp_eval.stage.ShardedStage.finish = timed_finish
+    ddp_eval.stage._sharded.ShardedStage.finish = timed_finish
     ddp_eval.dist.all_gather_bytes = recording_gather
     torch.manual_seed(0)
     brain = Timed({"model": torch.nn.Sequential(torch.nn.Linear(toy.FEATS, 2048), torch.nn.Tanh(),

@@ -23,9 +23,8 @@ Errors
     DDPEvalError and its subclasses.
 """
 
-from ddp_eval.attribute_merge import merge_attribute_states
-from ddp_eval.checkpoint import Checkpointer
-from ddp_eval.commit import CheckpointFolder, inspect_checkpoint_dir
+from ddp_eval.checkpointing.checkpoint import Checkpointer
+from ddp_eval.checkpointing.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.dist import ControlChannel, warn_shared_store_restarts
 from ddp_eval.errors import (
@@ -41,10 +40,11 @@ from ddp_eval.errors import (
     StorageError,
     VerificationError,
 )
-from ddp_eval.metric_merge import merge_metric_stats
-from ddp_eval.metrics import find_metric_objects
 from ddp_eval.mixin import DDPEvalMixin
-from ddp_eval.sharding import ShardedBatchSampler, ShardedStreamLoader, shard_batches, shard_dataloader
+from ddp_eval.stage.sharding import ShardedBatchSampler, ShardedStreamLoader, shard_batches, shard_dataloader
+from ddp_eval.state.attribute_merge import merge_attribute_states
+from ddp_eval.state.metric_merge import merge_metric_stats
+from ddp_eval.state.metrics import find_metric_objects
 
 __version__ = "0.4.0"
 

@@ -77,7 +77,7 @@ class DDPEvalConfig:
         different part on each rank, e.g. ``wds.split_by_node``; faster, but
         batches differ from one process, see the README).
     verify : str
-        Prove the conversion on the recipe's own data (:mod:`ddp_eval.verify`):
+        Prove the conversion on the recipe's own data (:mod:`ddp_eval.stage._verify`):
         ``"off"`` (default), ``"first"`` (the first VALID and the first TEST
         stage: each rank also evaluates every batch as one process would and
         compares what ``on_stage_end`` sees; differences are warned about by

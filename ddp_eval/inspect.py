@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from speechbrain.utils import checkpoints as sb_ckpt
 
-from ddp_eval.commit import MANIFEST_KEY, TMP_PREFIX, TRASH_PREFIX, inspect_checkpoint_dir, read_meta
-from ddp_eval.journal import JOURNAL_DIRNAME, describe_journals
+from ddp_eval.checkpointing.commit import MANIFEST_KEY, TMP_PREFIX, TRASH_PREFIX, inspect_checkpoint_dir, read_meta
+from ddp_eval.stage._journal import JOURNAL_DIRNAME, describe_journals
 
 _LEFTOVERS = {
     TMP_PREFIX: "temporary directory: a save in progress, or the leftover of a crash; never "
@@ -81,7 +81,7 @@ def describe_folder(folder, min_key: Optional[str] = None, max_key: Optional[str
                     verify: bool = False, required: Optional[Sequence[str]] = None,
                     journal_root=None) -> Dict[str, Any]:
     """Everything ``python -m ddp_eval.inspect`` reports, as a dict."""
-    from ddp_eval.checkpoint import Checkpointer  # the choice resume makes
+    from ddp_eval.checkpointing.checkpoint import Checkpointer  # the choice resume makes
 
     folder = pathlib.Path(folder)
     inferred = required is None

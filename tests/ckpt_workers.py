@@ -9,7 +9,7 @@ import torch
 from speechbrain.core import INTRA_EPOCH_CKPT_FLAG
 
 import ddp_eval
-import ddp_eval.commit as ckpt_module
+import ddp_eval.checkpointing.commit as ckpt_module
 from tests import kill_points, toy
 
 
@@ -208,7 +208,7 @@ def async_saves_then_average(rank, world_size, directory):
 
     import speechbrain as sb
 
-    from ddp_eval.async_save import BackgroundWriter
+    from ddp_eval.checkpointing._async_save import BackgroundWriter
 
     hold, release = threading.Event(), threading.Event()
     original_save, original_wait = torch.save, BackgroundWriter.wait

@@ -15,7 +15,7 @@ import torch
 from speechbrain.utils.checkpoints import mark_as_loader, mark_as_saver, register_checkpoint_hooks
 
 import ddp_eval
-import ddp_eval.commit as ckpt_module
+import ddp_eval.checkpointing.commit as ckpt_module
 
 _state = {"count": 0, "kill_at": None, "names": []}
 

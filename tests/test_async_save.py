@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ddp_eval
-from ddp_eval.commit import TMP_PREFIX
+from ddp_eval.checkpointing.commit import TMP_PREFIX
 from tests import ckpt_workers as w
 from tests import workers
 from tests.mp_harness import results, run_ranks
@@ -53,7 +53,7 @@ def test_fit_then_evaluate_with_async_saves_equals_synchronous_saves(tmp_path):
 
 
 def test_a_snapshot_that_memory_cannot_hold_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(ddp_eval.async_save, "available_memory_bytes", lambda: 1024)
+    monkeypatch.setattr(ddp_eval.checkpointing._async_save, "available_memory_bytes", lambda: 1024)
     ckpter = ddp_eval.Checkpointer(tmp_path, {"model": torch.nn.Linear(64, 64)}, async_save=True)
     with pytest.raises(ddp_eval.CheckpointWriteError, match=r"async_save needs one copy .* only 0 MB are "
                                                             r"available.*async_save: false"):
@@ -77,7 +77,7 @@ def test_a_script_that_ends_right_after_an_async_save_keeps_its_checkpoint(tmp_p
 
     script = (
         "import sys, threading, torch, ddp_eval\n"
-        "from ddp_eval.async_save import BackgroundWriter\n"
+        "from ddp_eval.checkpointing._async_save import BackgroundWriter\n"
         "release, save = threading.Event(), torch.save\n"
         "def held(*args, **kwargs):\n"
         "    release.wait(60)\n"

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_eval.attribute_merge import merge_attribute_states
-from ddp_eval.attributes import AttributeTracker
-from ddp_eval.bookkeeping import simulate as simulate_stage
 from ddp_eval.config import DDPEvalConfig
-from ddp_eval.metrics import MetricFinder, MetricRecorder, merge_metric_stats
-from ddp_eval.probes import is_probe
-from ddp_eval.values import ELSEWHERE, Kind
+from ddp_eval.state._attributes import AttributeTracker
+from ddp_eval.state._probes import is_probe
+from ddp_eval.state._values import ELSEWHERE, Kind
+from ddp_eval.state.attribute_merge import merge_attribute_states
+from ddp_eval.state.bookkeeping import simulate as simulate_stage
+from ddp_eval.state.metrics import MetricFinder, MetricRecorder, merge_metric_stats
 
 pytestmark = pytest.mark.fast
 
@@ -27,7 +27,7 @@ LAYOUTS = {"2 ranks": [[0, 3, 4], [1, 2, 5]], "3 ranks, one idle": [[0, 3], [1, 
 def simulate(make, batch, layout, budget_mb=64.0):
     """``(one process, [each rank after the merge], merge result)`` for ``batch(holder, b)``
     run over every batch, and over each rank's share (``layout``), with the stage's own
-    record, merge and apply (:func:`ddp_eval.bookkeeping.simulate`)."""
+    record, merge and apply (:func:`ddp_eval.state.bookkeeping.simulate`)."""
     single = make()
     for b in range(sum(map(len, layout))):
         batch(single, b)

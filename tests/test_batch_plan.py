@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from ddp_eval.sharding import BatchLedger, BatchPlan, ShardedBatchSampler, first_difference
+from ddp_eval.stage.sharding import BatchLedger, BatchPlan, ShardedBatchSampler, first_difference
 from tests import samplers
 from tests.mp_harness import results, run_ranks
 

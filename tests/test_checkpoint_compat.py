@@ -7,7 +7,7 @@ import speechbrain as sb
 import torch
 
 import ddp_eval
-from ddp_eval.commit import MANIFEST_KEY
+from ddp_eval.checkpointing.commit import MANIFEST_KEY
 
 pytestmark = pytest.mark.fast
 

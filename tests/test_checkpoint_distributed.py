@@ -9,7 +9,7 @@ import pytest
 import speechbrain as sb
 import torch
 
-from ddp_eval.commit import TMP_PREFIX
+from ddp_eval.checkpointing.commit import TMP_PREFIX
 from tests import ckpt_workers as w
 from tests import kill_points
 from tests.mp_harness import results, run_ranks

@@ -5,7 +5,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from ddp_eval.commit import TMP_PREFIX, inspect_checkpoint_dir
+from ddp_eval.checkpointing.commit import TMP_PREFIX, inspect_checkpoint_dir
 from tests import kill_points
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ batches and no record shows the read (``verify`` finds such a recipe;
 docs/exactness.md); the grammar's operations do not branch.
 
 Ranks are simulated with the stage's own record, merge and apply
-(:func:`ddp_eval.bookkeeping.simulate`): only the collectives are left out, and
+(:func:`ddp_eval.state.bookkeeping.simulate`): only the collectives are left out, and
 what they would carry is pickled as it travels. The fast lane runs a fixed-seed short
 profile; the full suite a longer one.
 """
@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from speechbrain.utils.metric_stats import MetricStats
 
-from ddp_eval.bookkeeping import simulate
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.errors import DDPEvalError
-from ddp_eval.verify import first_difference
+from ddp_eval.stage._verify import first_difference
+from ddp_eval.state.bookkeeping import simulate
 
 
 def _forget_lazy_modules_that_cannot_import():

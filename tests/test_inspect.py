@@ -10,7 +10,7 @@ import speechbrain as sb
 import torch
 
 import ddp_eval
-from ddp_eval.commit import TMP_PREFIX
+from ddp_eval.checkpointing.commit import TMP_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

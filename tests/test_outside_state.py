@@ -57,7 +57,7 @@ def test_a_beam_searchers_scratch_state_is_not_named_but_an_aligners_dict_is():
     from speechbrain.decoders.seq2seq import S2SRNNBeamSearcher
     from speechbrain.nnet.RNN import AttentionalRNNDecoder
 
-    from ddp_eval.outside import changed_outside, outside_markers
+    from ddp_eval.state._outside import changed_outside, outside_markers
 
     torch.manual_seed(0)
     searcher = S2SRNNBeamSearcher(

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import ddp_eval
-from ddp_eval.metrics import MetricFinder, MetricRecorder, merge_metric_stats
-from ddp_eval.sharding import ShardedBatchSampler, shard_batches
+from ddp_eval.stage.sharding import ShardedBatchSampler, shard_batches
+from ddp_eval.state.metrics import MetricFinder, MetricRecorder, merge_metric_stats
 from tests import toy
 
 pytestmark = pytest.mark.fast
@@ -66,14 +66,14 @@ def test_merge_restores_single_process_order_for_any_split():
             hyp = [[rng.choice("ab")] for _ in ids]
             ref = [[rng.choice("ab"), "c"] for _ in ids]
             single.append(ids, hyp, ref)
-            owner = ddp_eval.sharding.batch_owner(g, world)
+            owner = ddp_eval.stage.sharding.batch_owner(g, world)
             ranks[owner].m.append(ids, hyp, ref)
             recorders[owner].after_batch(ranks[owner])
         states = [rec.finish(h, shard_batches(n_batches, r, world))
                   for r, (rec, h) in enumerate(zip(recorders, ranks))]
         merged = merge_metric_stats(states)
         for rec, h in zip(recorders, ranks):
-            ddp_eval.metrics.apply_merged(rec.objects, rec.start, merged)
+            ddp_eval.state.metrics.apply_merged(rec.objects, rec.start, merged)
             assert h.m.ids == single.ids
             assert h.m.scores == single.scores
             if n_batches:
@@ -107,14 +107,14 @@ def _simulate_ranks(make_objects, append, n_batches, world):
     recorders = [MetricRecorder(MetricFinder(), h) for h in holders]
     for g in range(n_batches):
         append(single, g)
-        owner = ddp_eval.sharding.batch_owner(g, world)
+        owner = ddp_eval.stage.sharding.batch_owner(g, world)
         append(ranks[owner], g)
         recorders[owner].after_batch(holders[owner])
     states = [rec.finish(h, shard_batches(n_batches, r, world))
               for r, (rec, h) in enumerate(zip(recorders, holders))]
     merged = merge_metric_stats(states)
     for rec in recorders:
-        ddp_eval.metrics.apply_merged(rec.objects, rec.start, merged)
+        ddp_eval.state.metrics.apply_merged(rec.objects, rec.start, merged)
     return single, ranks
 
 
@@ -170,7 +170,7 @@ def test_append_watch_sees_the_batch_loop_thread_only(tmp_path):
     recipe's per-batch file (issue 27)."""
     import threading
 
-    from ddp_eval.effects import AppendWatch
+    from ddp_eval.stage._effects import AppendWatch
 
     watch = AppendWatch()
     with watch:
@@ -180,3 +180,29 @@ def test_append_watch_sees_the_batch_loop_thread_only(tmp_path):
         with open(tmp_path / "predictions.jsonl", "a"):
             pass
     assert list(watch.paths) == [str(tmp_path / "predictions.jsonl")]
+
+
+def test_a_journal_piece_of_the_old_layout_is_refused_with_a_clear_reason(tmp_path):
+    """0.3 pickled its attribute changes as ddp_eval.values.Change: 0.4 moved the module
+    (issue 27) and raised the journal format; such a piece is evaluated again, said why."""
+    import pickle
+    import sys
+
+    from ddp_eval.stage import _journal
+
+    old = types.ModuleType("ddp_eval.values")
+
+    class Change:
+        pass
+
+    Change.__module__, Change.__qualname__ = "ddp_eval.values", "Change"
+    old.Change = Change
+    sys.modules["ddp_eval.values"] = old
+    try:
+        blob = pickle.dumps({"format": 2, "attributes": Change()})
+    finally:
+        del sys.modules["ddp_eval.values"]
+    piece = tmp_path / "piece.pkl"
+    piece.write_bytes(blob)
+    found, why = _journal._read(piece)
+    assert found is None and "written by an older ddp_eval" in why and "evaluated again" in why

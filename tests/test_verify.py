@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ddp_eval.verify import first_difference
+from ddp_eval.stage._verify import first_difference
 from tests import patterns
 from tests.mp_harness import results, run_ranks
 from tests.test_recipe_patterns import assert_records_equal, evaluation_records

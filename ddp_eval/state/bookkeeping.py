@@ -2,22 +2,21 @@
 every rank's record: no collectives here.
 
 :class:`StageBook` records, on one rank, what the stage's batches do to the
-recipe's state: its metric objects (:class:`~ddp_eval.metrics.MetricRecorder`)
+recipe's state: its metric objects (:class:`~ddp_eval.state.metrics.MetricRecorder`)
 and its attributes and the fields of its metric objects that are not flat
-lists (:class:`~ddp_eval.attributes.AttributeTracker`, one engine for both).
+lists (:class:`~ddp_eval.state._attributes.AttributeTracker`, one engine for both).
 At stage end :meth:`StageBook.collect` checks that the record explains the
 state the rank holds (anything it does not is named, never merged) and gives
 what travels; :func:`merge_stage` merges every rank's record (and a resumed
 stage's journal pieces) into what one process would hold, the same on every
 rank; :meth:`StageBook.apply` writes it into this rank's objects.
-:class:`ddp_eval.stage.ShardedStage` runs these around its collectives; tests
+:class:`ddp_eval.stage._sharded.ShardedStage` runs these around its collectives; tests
 and benchmarks run them for simulated ranks.
 
 Example
 -------
 >>> import types
 >>> from ddp_eval.config import DDPEvalConfig
->>> from ddp_eval.stage_report import winners_of
 >>> def recipe():
 ...     return types.SimpleNamespace(_ddp_brain_attributes=frozenset(), hist=[0, 0], ids=[])
 >>> def batch(brain, b):
@@ -43,12 +42,12 @@ Example
 import pickle
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ddp_eval.attribute_merge import MergeResult, last_candidates, merge_attribute_states
-from ddp_eval.attributes import AttributeTracker, resolve
-from ddp_eval.metric_layout import complete, describe
-from ddp_eval.metric_merge import merge_metric_stats
-from ddp_eval.metrics import MetricFinder, MetricRecorder, apply_merged
-from ddp_eval.values import ELSEWHERE
+from ddp_eval.state._attributes import AttributeTracker, resolve
+from ddp_eval.state._metric_layout import complete, describe
+from ddp_eval.state._values import ELSEWHERE
+from ddp_eval.state.attribute_merge import MergeResult, last_candidates, last_writer, merge_attribute_states
+from ddp_eval.state.metric_merge import merge_metric_stats
+from ddp_eval.state.metrics import MetricFinder, MetricRecorder, apply_merged
 
 
 class Collected(NamedTuple):
@@ -72,6 +71,26 @@ def merge_stage(states: Sequence[Tuple[Any, Any]]) -> StageMerge:
     """Merges every contribution's ``(metric state, attribute changes)`` (ranks in
     order, then a journal's pieces) in global batch order; pure, the same on every rank."""
     return StageMerge(merge_metric_stats([s[0] for s in states]), merge_attribute_states([s[1] for s in states]))
+
+
+def last_candidates_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, List]:
+    """``{label: [(contribution, global position, error)]}`` of every binding a
+    ``LAST`` merge may take: the ranks', then a journal's pieces (rank 0 sent them)."""
+    candidates: Dict[str, List] = {}
+    for rank, report in enumerate(per_rank):
+        for path, (position, error) in report["last"].items():
+            candidates.setdefault(path, []).append((rank, position, error))
+    for n, piece in enumerate(per_rank[0].get("piece_last", [])):
+        for path, position in piece.items():
+            candidates.setdefault(path, []).append((len(per_rank) + n, position, None))
+    return candidates
+
+
+def winners_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, int]:
+    """``{label: contribution}`` whose binding a ``LAST`` merge takes (the globally
+    last, see :func:`ddp_eval.state.attribute_merge.last_writer`); every rank finds the same."""
+    return {path: last_writer([(index, position) for index, position, _ in found])
+            for path, found in last_candidates_of(per_rank).items()}
 
 
 def _holders(metric_objects: Mapping[str, Any]) -> set:
@@ -186,8 +205,6 @@ def simulate(positions_per_rank: Sequence[Sequence[int]], make, batch, config) -
     ``batch(brain, b)`` runs global batch ``b``. Returns ``(brains after the
     merge, records, merge)``; used by tests and benchmarks.
     """
-    from ddp_eval.stage_report import winners_of  # the stage's own rule for LAST values
-
     brains = [make() for _ in positions_per_rank]
     books = [StageBook(brain, config) for brain in brains]
     records = []

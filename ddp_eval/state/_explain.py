@@ -32,7 +32,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from ddp_eval.values import is_array
+from ddp_eval.state._values import is_array
 
 MAX_DEPTH = 4  # containers deeper than this are compared by identity and length
 SMALL_TENSOR = 64  # elements; a smaller tensor is also compared by value

@@ -18,9 +18,10 @@ import logging
 from typing import Any, Dict, List, Mapping, Sequence
 
 from ddp_eval import dist
-from ddp_eval.attribute_merge import last_writer
-from ddp_eval.effects import differing_modules, main_only
 from ddp_eval.errors import ConfigError
+from ddp_eval.stage._effects import differing_modules, main_only
+from ddp_eval.state.attribute_merge import last_writer
+from ddp_eval.state.bookkeeping import last_candidates_of
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class StageReport:
         self.modules = differing_modules([m[0] for m in modules], [m[1] for m in modules]) if modules[0][1] else {}
 
     def _winners(self):
-        candidates = _candidates(self.per_rank)
+        candidates = last_candidates_of(self.per_rank)
         winners, unsendable = {}, {}
         for path, found in candidates.items():
             winner = last_writer([(index, position) for index, position, _ in found])
@@ -134,26 +135,6 @@ class StageReport:
         if dist.get_rank() == 0:
             for message in messages:
                 logger.warning(message)
-
-
-def _candidates(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, List]:
-    """``{label: [(contribution, global position, error)]}`` of every binding a
-    ``LAST`` merge may take: the ranks', then a journal's pieces (rank 0 sent them)."""
-    candidates: Dict[str, List] = {}
-    for rank, report in enumerate(per_rank):
-        for path, (position, error) in report["last"].items():
-            candidates.setdefault(path, []).append((rank, position, error))
-    for n, piece in enumerate(per_rank[0].get("piece_last", [])):
-        for path, position in piece.items():
-            candidates.setdefault(path, []).append((len(per_rank) + n, position, None))
-    return candidates
-
-
-def winners_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, int]:
-    """``{label: contribution}`` whose binding a ``LAST`` merge takes (the globally
-    last, see :func:`ddp_eval.attribute_merge.last_writer`); every rank finds the same."""
-    return {path: last_writer([(index, position) for index, position, _ in found])
-            for path, found in _candidates(per_rank).items()}
 
 
 def _first_seen(per_rank: List[Dict[str, str]]) -> str:

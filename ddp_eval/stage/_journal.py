@@ -5,7 +5,7 @@ most every ``resume_eval_every_s`` seconds, one journal *piece*: what the
 batches it finished since its previous piece contributed (loss sum and count,
 the entries they appended to metric objects, attribute increments), tagged with
 their global batch positions. Each rank writes only its own pieces, each whole
-or not at all (:func:`ddp_eval.commit.write_file_atomically`), so nothing is
+or not at all (:func:`ddp_eval.checkpointing.commit.write_file_atomically`), so nothing is
 synchronised per batch.
 
 A journal belongs to one *key*: stage, epoch, the data (ids and batch
@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from ddp_eval.commit import write_file_atomically
+from ddp_eval.checkpointing.commit import write_file_atomically
 
 FORMAT = 3  # 3 (0.4.0): metric objects' other fields as attribute changes, list entries, rebuilt values; 2: 0.3
 JOURNAL_DIRNAME = ".ddp_eval-journal"
@@ -196,6 +196,9 @@ def find_resumable(root, key: JournalKey, fingerprint: Callable[[], str],
 def _read(path) -> Tuple[Optional[dict], Optional[str]]:
     try:
         piece = pickle.loads(path.read_bytes())
+    except (ModuleNotFoundError, AttributeError) as exc:  # names modules of an older layout (0.3)
+        return None, (f"written by an older ddp_eval (journal format before {FORMAT}: {type(exc).__name__}: {exc}); "
+                      "its batches are evaluated again")
     except Exception as exc:  # truncated or otherwise unreadable
         return None, f"{type(exc).__name__}: {exc}"
     if not isinstance(piece, dict) or piece.get("format") != FORMAT:

@@ -4,10 +4,10 @@ and non-blocking on request.
 Only the writing rank touches the disk (global rank 0, or local rank 0 of each
 node with ``storage="node_local"``); every call is bracketed by bounded
 synchronisation points, and a failure on the writer is raised on every rank.
-How a checkpoint reaches the disk atomically is :mod:`ddp_eval.commit`.
+How a checkpoint reaches the disk atomically is :mod:`ddp_eval.checkpointing.commit`.
 
 With ``async_save=True`` a save returns as soon as the writer holds an
-in-memory snapshot of every recoverable (:mod:`ddp_eval.async_save`); one
+in-memory snapshot of every recoverable (:mod:`ddp_eval.checkpointing._async_save`); one
 background thread writes, commits, then deletes what ``save_and_keep_only``
 drops. The next checkpointer call waits for it first, and raises its failure
 on every rank.
@@ -34,8 +34,8 @@ from typing import Any, Iterator, List, Mapping, Optional, Tuple
 from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval import dist, sb_compat
-from ddp_eval.async_save import BackgroundSaves
-from ddp_eval.commit import UNSUPPORTED_STORAGE_ACTIONS, CheckpointFolder
+from ddp_eval.checkpointing._async_save import BackgroundSaves
+from ddp_eval.checkpointing.commit import UNSUPPORTED_STORAGE_ACTIONS, CheckpointFolder
 from ddp_eval.config import check_choice
 from ddp_eval.errors import CheckpointLoadError, CheckpointWriteError, ConfigError
 

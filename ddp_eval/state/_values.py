@@ -40,7 +40,7 @@ MAX_DEPTH = 2  # dict entries are watched two levels deep (self.stats[stage]["lo
 
 
 class Kind(str, enum.Enum):
-    """How a change is merged (the table of :mod:`ddp_eval.attributes`)."""
+    """How a change is merged (the table of :mod:`ddp_eval.state._attributes`)."""
 
     APPEND = "append"
     KEYS = "keys"

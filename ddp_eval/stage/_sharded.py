@@ -13,7 +13,7 @@ sharded stage starts and dropped once ``on_stage_end`` has run on every rank:
 3. :meth:`ShardedStage.finish` (collective): one exchange of what every rank
    holds, then the loss reduced and every rank's changes gathered, merged and
    applied, so ``on_stage_end`` sees what one process would hold; what could
-   not be merged is named (:mod:`ddp_eval.stage_report`).
+   not be merged is named (:mod:`ddp_eval.stage._report`).
 4. :meth:`ShardedStage.close`: removes the stage's journal.
 """
 
@@ -28,16 +28,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_eval import dist, sb_compat
-from ddp_eval.attribute_merge import last_candidates
-from ddp_eval.bookkeeping import StageBook, merge_stage
-from ddp_eval.effects import AppendWatch, StageOutputs, module_states, write_outputs
 from ddp_eval.errors import VerificationError
-from ddp_eval.order import in_global_order
-from ddp_eval.outside import changed_outside, outside_markers
-from ddp_eval.resume import StageResume
-from ddp_eval.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
-from ddp_eval.stage_report import StageReport
-from ddp_eval.verify import StageVerifier, compare, scratch_folder, wants_verification
+from ddp_eval.stage._effects import AppendWatch, StageOutputs, module_states, write_outputs
+from ddp_eval.stage._report import StageReport
+from ddp_eval.stage._resume import StageResume
+from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
+from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
+from ddp_eval.state._order import in_global_order
+from ddp_eval.state._outside import changed_outside, outside_markers
+from ddp_eval.state.attribute_merge import last_candidates
+from ddp_eval.state.bookkeeping import StageBook, merge_stage
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class ShardedStage:
         self.book.start()
 
     @property
-    def metrics(self) -> Any:  # read by the journal (ddp_eval.resume.StageRecord)
+    def metrics(self) -> Any:  # read by the journal (ddp_eval.stage._resume.StageRecord)
         return self.book.metrics
 
     @property

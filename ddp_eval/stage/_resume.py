@@ -1,4 +1,4 @@
-"""Resuming an interrupted sharded stage from its journal (:mod:`ddp_eval.journal`).
+"""Resuming an interrupted sharded stage from its journal (:mod:`ddp_eval.stage._journal`).
 
 :meth:`StageResume.propose` runs on rank 0 at the start of a sharded stage:
 it reads the journals and keeps the pieces that match this stage, data (the
@@ -22,10 +22,9 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ddp_eval import dist
-from ddp_eval.attributes import AttributeTracker
-from ddp_eval.commit import TMP_PREFIX
-from ddp_eval.effects import StageOutputs
-from ddp_eval.journal import (
+from ddp_eval.checkpointing.commit import TMP_PREFIX
+from ddp_eval.stage._effects import StageOutputs
+from ddp_eval.stage._journal import (
     JournalKey,
     StageJournal,
     find_resumable,
@@ -33,14 +32,15 @@ from ddp_eval.journal import (
     model_fingerprint,
     remove_pieces,
 )
-from ddp_eval.metrics import MetricRecorder, describe_objects
-from ddp_eval.sharding import global_batch_ids, is_stream
+from ddp_eval.stage.sharding import global_batch_ids, is_stream
+from ddp_eval.state._attributes import AttributeTracker
+from ddp_eval.state.metrics import MetricRecorder, describe_objects
 
 logger = logging.getLogger(__name__)
 
 
 class StageRecord(Protocol):
-    """What a resume reads of the stage that drives it (:class:`ddp_eval.stage.ShardedStage`)."""
+    """What a resume reads of the stage that drives it (:class:`ddp_eval.stage._sharded.ShardedStage`)."""
 
     stage: Any  # sb.Stage
     epoch: Optional[int]

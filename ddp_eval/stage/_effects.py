@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ddp_eval.order import as_chunks, growth_since
-from ddp_eval.values import is_number
+from ddp_eval.state._order import as_chunks, growth_since
+from ddp_eval.state._values import is_number
 
 PART_SUFFIX = ".ddp_eval-part"
 

@@ -1,7 +1,7 @@
 """Merging every rank's metric state into what one process would hold (a pure
 function, the same result on every rank).
 
-A rank's state (:meth:`ddp_eval.metrics.MetricRecorder.finish`) is, per metric
+A rank's state (:meth:`ddp_eval.state.metrics.MetricRecorder.finish`) is, per metric
 object path, the entries each list field gained, cut per batch and tagged with
 global positions (a field holding fixed lists that grow, such as
 ``BLEUStats.targets``, one list per reference, is cut per inner list), and the
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 
-from ddp_eval.order import in_global_order
+from ddp_eval.state._order import in_global_order
 
 
 def unpack(packed: Any) -> list:

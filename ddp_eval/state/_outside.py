@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 import torch
 
 from ddp_eval import sb_compat
-from ddp_eval.values import is_number
+from ddp_eval.state._values import is_number
 
 Marker = Tuple[Any, ...]
 

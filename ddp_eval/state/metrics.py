@@ -9,7 +9,7 @@ one entry per utterance), fields that hold a fixed list of growing lists
 :class:`MetricRecorder` notes after every batch which list fields grew and to
 what length (nothing is copied); each rank then sends the entries it
 appended, cut per batch and tagged with the batch's global position, and
-:func:`ddp_eval.metric_merge.merge_metric_stats` puts them back in global
+:func:`ddp_eval.state.metric_merge.merge_metric_stats` puts them back in global
 batch order: ``summarize()`` and ``write_stats()`` give single-process results
 bit for bit. Callables (a ``MetricStats``'s metric, a closure) never travel.
 
@@ -43,11 +43,11 @@ from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 
 from ddp_eval import sb_compat
 from ddp_eval.errors import ConfigError
-from ddp_eval.explain import Fingerprint, unexplained
-from ddp_eval.metric_merge import merge_metric_stats  # noqa: F401 - also public here
-from ddp_eval.order import growth_since
-from ddp_eval.probes import plain
-from ddp_eval.values import is_number
+from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._order import growth_since
+from ddp_eval.state._probes import plain
+from ddp_eval.state._values import is_number
+from ddp_eval.state.metric_merge import merge_metric_stats  # noqa: F401 - also public here
 
 METRIC_TYPES = (MetricStats, MultiMetricStats, AccuracyStats)
 

@@ -1,6 +1,6 @@
 """In-place changes of one object held by a watched attribute, one watch per kind.
 
-A :class:`~ddp_eval.attributes.Slot` follows an attribute's identity; its watch
+A :class:`~ddp_eval.state._attributes.Slot` follows an attribute's identity; its watch
 follows what batches do to the object it holds without rebinding it: a list
 that grows, a dict whose keys and entries change, a tensor whose ``_version``
 moves, a NumPy array whose contents change. Each watch records per batch only
@@ -13,8 +13,8 @@ A watch created for an object that a batch bound where there was none
 Example
 -------
 >>> import types
->>> from ddp_eval.attributes import Slot
->>> from ddp_eval.values import Budget
+>>> from ddp_eval.state._attributes import Slot
+>>> from ddp_eval.state._values import Budget
 >>> holder = types.SimpleNamespace(ids=[])
 >>> slot = Slot("ids", holder, "ids", Budget(1))
 >>> holder.ids += ["u1", "u2"]
@@ -33,10 +33,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ddp_eval import sb_compat
-from ddp_eval.explain import Fingerprint, unexplained
-from ddp_eval.order import as_chunks, growth_since
-from ddp_eval.probes import PROBED_TYPES, Factory, plain
-from ddp_eval.values import (
+from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._order import as_chunks, growth_since
+from ddp_eval.state._probes import PROBED_TYPES, Factory, plain
+from ddp_eval.state._values import (
     ABSENT,
     MAX_DEPTH,
     SMALL_DICT,
@@ -155,7 +155,7 @@ def _size(obj: Any) -> Any:
 
 class ListWatch(Watch):
     """A list that grows: its new entries, cut per batch (``APPEND``). A list that
-    held at most :data:`~ddp_eval.values.SMALL_DICT` entries at stage start
+    held at most :data:`~ddp_eval.state._values.SMALL_DICT` entries at stage start
     (``[0] * n_classes``, ``[[]]``) also has those entries watched one by one,
     as a dict's are (``hist[label] += 1``, ``targets[0].extend(refs)``):
     ``ITEMS``, its growth and its entries' changes."""
@@ -280,7 +280,7 @@ def _finish_entries(watch: Any) -> None:
 class DictWatch(Watch):
     """A dict: keys it gains, in insertion order, and what batches do to its
     entries, each watched as an attribute of its own (``KEYS``). Entries past
-    the first :data:`~ddp_eval.values.SMALL_DICT` are taken as they are at stage
+    the first :data:`~ddp_eval.state._values.SMALL_DICT` are taken as they are at stage
     end (per-utterance results, set once); entries present at stage start and
     not watched are checked for a new value once, at stage end."""
 

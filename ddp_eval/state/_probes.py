@@ -37,7 +37,7 @@ True
 
 from typing import Any, List, Optional, Tuple
 
-from ddp_eval.rebuilt import add, concat, subtract
+from ddp_eval.state._rebuilt import add, concat, subtract
 
 PROBED_TYPES = (int, float)
 

@@ -7,7 +7,7 @@ named by a dotted path in ``ddp_eval: attributes_include``). An
 :class:`AttributeTracker` watches them during one stage. After every batch it
 tells, for each attribute, what that batch did, from the attribute's identity,
 its value and a tensor's ``_version`` (numbers: from a probe, see
-:mod:`ddp_eval.probes`), at a cost that follows what the batch changed, not
+:mod:`ddp_eval.state._probes`), at a cost that follows what the batch changed, not
 what the attributes hold:
 
 =====================  =========================================  ===============
@@ -25,7 +25,7 @@ a new object bound     identity                                   ``LAST``
 =====================  =========================================  ===============
 
 At stage end each rank sends its :class:`Change` per attribute, tagged with
-global batch positions; :mod:`ddp_eval.attribute_merge` rebuilds what one
+global batch positions; :mod:`ddp_eval.state.attribute_merge` rebuilds what one
 process would hold and :meth:`AttributeTracker.apply` writes it back. What
 cannot be told or merged (entries removed, a number computed from its previous
 value by ``max``, a new object then changed in place) is reported by name.
@@ -52,9 +52,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ddp_eval.errors import ConfigError
-from ddp_eval.probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
-from ddp_eval.rebuilt import extends, handed_back, make_probe, plain_value, read_rebuilt, shares_entries
-from ddp_eval.values import (
+from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
+from ddp_eval.state._rebuilt import extends, handed_back, make_probe, plain_value, read_rebuilt, shares_entries
+from ddp_eval.state._values import (
     ABSENT,
     ELSEWHERE,
     Budget,
@@ -66,7 +66,7 @@ from ddp_eval.values import (
     numpy,
     set_value,
 )
-from ddp_eval.watches import ArrayWatch, BoundWatch, DictWatch, ListWatch, TensorWatch, make_watch
+from ddp_eval.state._watches import ArrayWatch, BoundWatch, DictWatch, ListWatch, TensorWatch, make_watch
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def resolve(root: Any, path: str) -> Tuple[Any, str]:
 class Slot:
     """One watched attribute (or dict entry) on this rank during one stage: the
     object it holds, the new objects batches bound to it, and a watch of the
-    current object's in-place changes (:mod:`ddp_eval.watches`).
+    current object's in-place changes (:mod:`ddp_eval.state._watches`).
 
     Numbers are told by their probes: ``events`` holds ``(batch, op, operand)``
     with op ``+``, ``-``, ``=``, or ``~`` (created where there was none: an
@@ -130,7 +130,7 @@ class Slot:
         self.changed_batches = 0
         self.quiet = 0  # batches in a row that did not change it (a dict entry)
         self.probe = None
-        self.rebuilt_probe = None  # a tensor's or array's probe during a batch (ddp_eval.rebuilt)
+        self.rebuilt_probe = None  # a tensor's or array's probe during a batch (ddp_eval.state._rebuilt)
         self.over_none = False  # the first binding was over None (an assignment, not a creation)
         self.told_set = False  # this batch's probe saw a new value bound, the old one unused
         self.watch = make_watch(self, self.start)
@@ -355,7 +355,7 @@ class Slot:
         return None if data is None else Change(kind, data, last, value)
 
     def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
-        """Writes a merged change (:func:`ddp_eval.attribute_merge.merge_changes`)."""
+        """Writes a merged change (:func:`ddp_eval.state.attribute_merge.merge_changes`)."""
         if kind is Kind.FOLD:
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             set_value(self.owner, self.name, replay(start, data))

@@ -13,7 +13,7 @@ Example
 -------
 >>> import collections, types
 >>> from speechbrain.utils.metric_stats import ErrorRateStats
->>> from ddp_eval.metrics import MetricFinder, MetricRecorder
+>>> from ddp_eval.state.metrics import MetricFinder, MetricRecorder
 >>> idle = types.SimpleNamespace(wer=collections.defaultdict(ErrorRateStats))
 >>> busy = types.SimpleNamespace(wer=collections.defaultdict(ErrorRateStats))
 >>> recorders = [MetricRecorder(MetricFinder(), h) for h in (idle, busy)]
@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import torch
 
 from ddp_eval.errors import ConfigError
-from ddp_eval.metrics import METRIC_TYPES
-from ddp_eval.values import is_number
+from ddp_eval.state._values import is_number
+from ddp_eval.state.metrics import METRIC_TYPES
 
 
 class Entry(NamedTuple):

@@ -2,13 +2,13 @@
 hold (pure functions, the same result on every rank).
 
 Each rank, and each journal piece a resumed stage brings, contributes one
-:class:`~ddp_eval.values.Change` per attribute it changed
-(:meth:`ddp_eval.attributes.AttributeTracker.finish`). Contributions are
+:class:`~ddp_eval.state._values.Change` per attribute it changed
+(:meth:`ddp_eval.state._attributes.AttributeTracker.finish`). Contributions are
 indexed ``0 .. N-1`` for the ranks, then the pieces; at equal global positions
 the lower index comes first.
 
 * ``LAST``: the contribution whose binding has the highest global position
-  wins (its value: the object, or :data:`~ddp_eval.values.ELSEWHERE` while on its
+  wins (its value: the object, or :data:`~ddp_eval.state._values.ELSEWHERE` while on its
   rank); a rank's object created once and changed no more counts as a binding.
 * ``FOLD``: every ``+``, ``-`` and ``=`` in global batch order; a value created
   where there was none (``~``), or a dict entry's first change seen before it had
@@ -27,7 +27,7 @@ is taken, as for ``=``, and the label is returned in ``assumed``.
 
 Example
 -------
->>> from ddp_eval.values import Change, Kind
+>>> from ddp_eval.state._values import Change, Kind
 >>> rank0 = {"n": Change(Kind.FOLD, [(0, "+", 2), (2, "+", 1)]), "last": Change(Kind.LAST, None, 2, "b0")}
 >>> rank1 = {"n": Change(Kind.FOLD, [(1, "=", 10)]), "last": Change(Kind.LAST, None, 1, "b1")}
 >>> result = merge_attribute_states([rank0, rank1])
@@ -37,8 +37,8 @@ Example
 
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ddp_eval.order import in_global_order
-from ddp_eval.values import Change, Kind
+from ddp_eval.state._order import in_global_order
+from ddp_eval.state._values import Change, Kind
 
 Merged = Tuple[Kind, Any]
 

@@ -37,7 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ddp_eval.values import is_array, numpy
+from ddp_eval.state._values import is_array, numpy
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__"}
 _SUB = {"sub", "__sub__"}

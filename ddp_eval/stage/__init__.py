@@ -1,0 +1,11 @@
+"""One sharded VALID/TEST stage on a rank: the batch plan and its dealing
+(:mod:`~ddp_eval.stage.sharding`), the stage's collectives around the state's
+record and merge (:class:`~ddp_eval.stage._sharded.ShardedStage`), what the
+stage-end exchange tells every rank, per-batch files and other effects, the
+evaluation journal and its resume, and ``verify``.
+
+May import: :mod:`ddp_eval.state`, :mod:`ddp_eval.checkpointing` (the journal
+writes its pieces atomically), :mod:`ddp_eval.dist`, :mod:`ddp_eval.config`,
+:mod:`ddp_eval.errors`, :mod:`ddp_eval.sb_compat`; never the mixin (checked by
+``tests/test_layout.py``). Modules whose names start with ``_`` are not public API.
+"""

@@ -1,0 +1,84 @@
+"""The package's layering (issue 27): imports go downward only. ``state`` (what a
+batch did and how it merges) never issues a collective; ``checkpointing`` imports
+nothing from evaluation; nothing below the top level imports the mixin."""
+
+import ast
+import pathlib
+
+import pytest
+
+import ddp_eval
+
+pytestmark = pytest.mark.fast
+PACKAGE = pathlib.Path(ddp_eval.__file__).parent
+BASE = {"ddp_eval.errors", "ddp_eval.sb_compat"}
+ALLOWED = {  # subpackage -> what its modules may import besides themselves
+    "state": BASE,
+    "checkpointing": BASE | {"ddp_eval.dist", "ddp_eval.config"},
+    "stage": BASE | {"ddp_eval.dist", "ddp_eval.config", "ddp_eval.state", "ddp_eval.checkpointing"},
+}
+
+
+def imported(path: pathlib.Path):
+    """The ddp_eval modules a file imports (``from ddp_eval import dist`` as ddp_eval.dist)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddp_eval"):
+            if node.module == "ddp_eval":
+                found |= {f"ddp_eval.{alias.name}" for alias in node.names}
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("ddp_eval")}
+    return found
+
+
+def _allowed(module: str, target: str) -> bool:
+    package = module.split(".")[1]
+    if target.startswith(f"ddp_eval.{package}"):
+        return True
+    return any(target == a or target.startswith(a + ".") for a in ALLOWED[package])
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_go_downward_only(package):
+    broken = []
+    files = sorted((PACKAGE / package).glob("*.py"))
+    assert files, package
+    for path in files:
+        module = f"ddp_eval.{package}.{path.stem}"
+        broken += [f"{module} imports {target}" for target in sorted(imported(path)) if not _allowed(module, target)]
+    assert not broken, "imports that break the layering (see the subpackage's docstring):\n" + "\n".join(broken)
+
+
+def test_the_check_sees_a_broken_import(tmp_path):
+    """The check itself can fail: a state module importing dist is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ddp_eval import dist\nfrom ddp_eval.state._values import ABSENT\n")
+    assert {t for t in imported(bad) if not _allowed("ddp_eval.state.bad", t)} == {"ddp_eval.dist"}
+
+
+def test_only_the_dist_module_touches_torch_distributed():
+    """One module owns every torch.distributed call (the guide); SpeechBrain's own
+    distributed helpers are reached through sb_compat."""
+    def touches(path):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+                return True
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+                return True
+            if isinstance(node, ast.Attribute) and node.attr == "distributed" and (
+                    getattr(node.value, "id", "") == "torch"):
+                return True
+        return False
+
+    users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "dist.py" and touches(p))
+    assert users == [], users
+
+
+def test_every_module_but_the_public_ones_is_marked_private():
+    public = {"__init__", "attribute_merge", "metrics", "metric_merge", "bookkeeping", "sharding", "commit",
+              "checkpoint"}
+    for package in ALLOWED:
+        for path in (PACKAGE / package).glob("*.py"):
+            assert path.stem in public or path.stem.startswith("_"), path
