@@ -6,12 +6,15 @@ plain   : sb.Brain, every rank evaluates the whole set (SpeechBrain today)
 mixin   : DDPEvalMixin, each rank evaluates its shard (no journal: no checkpointer)
 mixin+journal, mixin+journal0 : the same, journaling for resume_eval every 60 s
           (the default) or after every batch, into out/journal-<mode>
+mixin+verify : the same with ``verify: first`` (each rank evaluates the stage again as
+          one process would, and compares)
 merge   : cost of the cross-rank merge of 10,000 utterances of metric state
 
 Writes a JSON line of measurements from rank 0 to the file given as argv[3].
 """
 
 import json
+import logging
 import os
 import sys
 import time
@@ -88,6 +91,13 @@ def evaluation(mode, manifest):
     if mode.startswith("mixin+journal"):
         hparams["ddp_eval"].update(resume_eval_dir=os.path.join(os.path.dirname(manifest), f"journal-{mode}"),
                                    resume_eval_every_s=0 if mode.endswith("0") else 60)
+    if mode == "mixin+verify":
+        hparams["ddp_eval"]["verify"] = "first"
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("ddp_eval").addHandler(handler)
+    logging.getLogger("ddp_eval").setLevel(logging.INFO)
     base = sb.Brain if mode == "plain" else type("M", (ddp_eval.DDPEvalMixin, sb.Brain), {})
     brain = _eval_brain_class(base)(
         modules={"encoder": encoder}, hparams=hparams,
@@ -100,7 +110,7 @@ def evaluation(mode, manifest):
     total = time.perf_counter() - start
     busy = brain.last_batch_end - start
     return {"eval_s": max(_gather(total)), "busy_s": _gather(busy), "utterances": len(data),
-            "summary_wer": brain.summary["WER"]}
+            "summary_wer": brain.summary["WER"], "verification": [m for m in said if "verif" in m]}
 
 
 def merge_cost(n_utterances=10000, batch=10):

@@ -195,7 +195,7 @@ def check_program(n_batches, world_size, start, data):
 
 SHORT = settings(max_examples=60, derandomize=True, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-LONG = settings(max_examples=2000, derandomize=True, deadline=None,
+LONG = settings(max_examples=1000, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -78,7 +78,4 @@ def test_a_job_that_may_restart_on_the_shared_store_is_warned_about(tmp_path):
     warned = [line for line in proc.stderr.splitlines() if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line]
     assert len(warned) == 2, proc.stderr[-3000:]  # each attempt, at import
     assert "restart 1" not in warned[0] and "This attempt is restart 1" in warned[1]
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # the opt-out: nothing to say
-    quiet = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                           timeout=120)
-    assert quiet.returncode == 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in quiet.stderr, quiet.stderr[-3000:]
+    # with the opt-out, or without restarts, nothing is said (dist.shared_store_restart_warning's doctest)
