@@ -75,6 +75,14 @@ def _value(b):
     return float(b) * 0.1 + 0.05  # not exactly representable: order matters for floats
 
 
+def _read_then_set(h, b):
+    """As SpeechBrain's HMMAligner: the previous value padded into a batch for the
+    loss, then a new value stored."""
+    batch = torch.zeros(4, dtype=torch.float64)
+    batch[:3] = torch.nn.functional.pad(h.vec, (0, 1))[:3]
+    h.vec = torch.full((3,), float(b), dtype=torch.float64)
+
+
 # Per-batch operations: what recipes write, and what they should not.
 OPERATIONS = {
     "append": lambda h, b: h.items.append(b),
@@ -96,6 +104,9 @@ OPERATIONS = {
     "tensor_index": lambda h, b: h.counts.__setitem__(b % 3, h.counts[b % 3] + 1),
     "tensor_rebuilt": lambda h, b: setattr(h, "vec", h.vec + _value(b)),
     "tensor_cat": lambda h, b: setattr(h, "counts", torch.cat([h.counts, torch.tensor([b])])),
+    "tensor_read_set": lambda h, b: _read_then_set(h, b),
+    "tensor_clone_scale": lambda h, b: setattr(h, "vec", h.vec.clone() * 1.5),
+    "array_read_set": lambda h, b: setattr(h, "arr", np.full(3, float(np.pad(h.arr, (0, 1))[0] * 0 + b))),
     "tensor_max": lambda h, b: setattr(h, "vec", torch.maximum(h.vec, torch.full((3,), _value(b),
                                                                                dtype=torch.float64))),
     "array_iadd": lambda h, b: h.arr.__iadd__(_value(b)),
@@ -238,7 +249,8 @@ def test_ordinary_programs_are_exact_and_name_nothing(world_size):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("operation,label", [("max", "total"), ("tensor_max", "vec"), ("list_sorted", "ids"),
-                                             ("hist_max", "hist"), ("pop", "hist"), ("metric_max", "stats")])
+                                             ("hist_max", "hist"), ("pop", "hist"), ("metric_max", "stats"),
+                                             ("tensor_clone_scale", "vec")])
 def test_what_cannot_be_merged_is_named_not_guessed(operation, label):
     n_batches, world_size = 3, 2
     _, _, named = _run(n_batches, world_size, True, [[operation]] * n_batches, [b % 2 for b in range(n_batches)])

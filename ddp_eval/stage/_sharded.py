@@ -21,6 +21,8 @@ import gc
 import logging
 import os
 import pickle
+import sys
+import types
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,6 +36,7 @@ from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
+from ddp_eval.state._explain import Fingerprint
 from ddp_eval.state._order import in_global_order
 from ddp_eval.state._outside import changed_outside, outside_markers
 from ddp_eval.state.attribute_merge import last_candidates
@@ -198,7 +201,8 @@ class ShardedStage:
             try:
                 with sb_compat.local_collectives():
                     reference_loss, reference, changed = self.verifier.reference(
-                        brain, self.stage, batches, lambda: {**self._outside_markers(), **module_states(brain)})
+                        brain, self.stage, batches,
+                        lambda: {**self._outside_markers(), **module_states(brain), **recipe_globals(brain)})
             finally:
                 self.scratch = None
             merged = {n: getattr(brain, n, None) for n in reference}
@@ -287,6 +291,18 @@ class ShardedStage:
         """After ``on_stage_end`` ran on every rank: the journal is no longer needed."""
         if self.resume is not None:
             self.resume.close()
+
+
+def recipe_globals(brain: Any) -> Dict[str, int]:
+    """``{global NAME: fingerprint}`` of the module-level values of the recipe's script
+    (not modules, classes or functions): what a reference pass may change outside the Brain."""
+    module = sys.modules.get(type(brain).__module__)
+    found = {}
+    for name, value in list(vars(module).items()) if module is not None else []:
+        if name.startswith("__") or callable(value) or isinstance(value, types.ModuleType):
+            continue
+        found[f"global {name}"] = Fingerprint.of(value, depth=2).digest
+    return found
 
 
 def _training_machinery(value: Any) -> bool:

@@ -45,8 +45,20 @@ _CAT = {"cat", "concat", "concatenate"}
 # what reads no value: metadata, and the attribute look-ups that give it
 _NO_READ = {"__get__", "size", "dim", "numel", "nelement", "ndimension", "data_ptr", "element_size", "stride",
             "storage_offset", "is_floating_point", "is_complex", "is_contiguous", "get_device", "__len__",
-            "__hash__", "__reduce_ex__", "__deepcopy__", "__setstate__", "detach", "cpu", "to", "clone",
-            "__repr__", "__format__"}
+            "__hash__", "__reduce_ex__", "__setstate__", "__repr__", "__format__", "requires_grad_"}
+
+
+# what moves or reshapes a value without combining it with another (``F.pad(prev, ...)``
+# of a previous alignment, ``torch.stack``, indexing, a copy, a dtype or device): its
+# tensor result is a *child* probe, whose own uses count as the value's, so that
+# ``prev = x.clone(); prev += y; self.x = prev`` is derived, while an aligner that
+# pads the previous alignment for the loss, then stores a new one, is not
+_MOVES = {"clone", "detach", "__deepcopy__", "__setitem__", "copy_", "pad", "stack", "hstack", "vstack", "cat",
+          "concat", "concatenate", "__getitem__", "view", "reshape", "flatten", "squeeze", "unsqueeze", "permute",
+          "transpose", "t", "contiguous", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind",
+          "to", "cpu", "cuda", "long", "float", "int", "double", "half", "bool", "type", "numpy", "tolist", "item",
+          "pad_sequence", "index_select", "gather", "flip", "roll", "repeat", "tile", "astype", "copy", "ravel",
+          "__array__", "__iter__", "__index__", "__int__", "__float__"}
 
 
 class _Record:
@@ -71,7 +83,7 @@ class _Record:
             rest = [_plain(x) for x in args[0][1:]]
             tail = rest[0] if len(rest) == 1 else _cat(rest)
             self._result(out, "&", tail)
-        else:
+        elif name not in _MOVES:
             self.used = True
 
     def _result(self, out: Any, op: str, operand: Any) -> None:
@@ -100,8 +112,23 @@ class TensorProbe(torch.Tensor):
             out = func(*args, **kwargs)
         record = _find_record(args)
         if record is not None:
-            record.note(getattr(func, "__name__", ""), args, kwargs, out)
+            name = getattr(func, "__name__", "")
+            recorded = len(getattr(record, "results", ()))
+            record.note(name, args, kwargs, out)
+            if len(getattr(record, "results", ())) != recorded:
+                pass  # x + y, torch.cat([x, y]): a result the merge may replay, handed out as it is
+            elif name in _MOVES and type(out) is torch.Tensor:
+                out = out.as_subclass(TensorProbe)
+                out._ddp_record = _Used(record)
+            elif name in _MOVES and isinstance(out, (list, tuple)) and all(type(o) is torch.Tensor for o in out):
+                out = type(out)(_child(o, record) for o in out)  # split, chunk, unbind
         return out
+
+
+def _child(tensor: torch.Tensor, record: Any) -> "TensorProbe":
+    child = tensor.as_subclass(TensorProbe)
+    child._ddp_record = _Used(record)
+    return child
 
 
 def _find_record(args: Any) -> Optional[_Record]:
@@ -150,7 +177,12 @@ if numpy is not None:
             result = func(*_unwrap(args), **kwargs)
             record = _find_record(args)
             if record is not None:
+                recorded = len(getattr(record, "results", ()))
                 record.note(func.__name__, args, kwargs, result)
+                if len(getattr(record, "results", ())) == recorded and func.__name__ in _MOVES and (
+                        type(result) is numpy.ndarray):
+                    result = result.view(ArrayProbe)
+                    result._ddp_record = _Used(record)
             return result
 
     _ARRAY_TYPES: tuple = (numpy.ndarray,)
@@ -204,7 +236,7 @@ class _Used:
         self.record = record if isinstance(record, _Record) else record.record
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        if name not in _NO_READ:
+        if name not in _NO_READ and name not in _MOVES:
             self.record.used = True
 
 

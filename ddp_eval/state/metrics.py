@@ -226,8 +226,8 @@ def field_targets(objects: Mapping[str, Any]) -> Dict[str, Tuple[Any, str]]:
 
 def _is_setting(value: Any) -> bool:
     """A field that configures a metric object (``split_tokens``, ``space_token``): a
-    bool, a string or None; not watched per batch, compared at stage end."""
-    return value is None or isinstance(value, (bool, str, bytes))
+    bool or a string; not watched per batch, compared at stage end."""
+    return isinstance(value, (bool, str, bytes))
 
 
 def _pack(items: list) -> Any:
