@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import pickle
+import shutil
 import sys
 import types
 from contextlib import contextmanager
@@ -204,6 +205,7 @@ class ShardedStage:
                         brain, self.stage, batches,
                         lambda: {**self._outside_markers(), **module_states(brain), **recipe_globals(brain)})
             finally:
+                shutil.rmtree(self.scratch, ignore_errors=True)
                 self.scratch = None
             merged = {n: getattr(brain, n, None) for n in reference}
             count, differences = compare(loss, reference_loss, merged, reference)
