@@ -2,6 +2,8 @@
 data. Each rank evaluates the verified stage again as one process would and compares
 what on_stage_end sees; at 2 ranks."""
 
+import pathlib
+import tempfile
 import time
 
 import pytest
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.fast
 @pytest.mark.parametrize("world_size", [2])  # 3 ranks with an idle one: the same code (test_recipe_patterns)
 def test_an_exact_recipe_verifies_clean_and_keeps_its_results(world_size, tmp_path):
+    scratch = set(pathlib.Path(tempfile.gettempdir()).glob("ddp_eval-verify-*"))
     want = patterns.single_process(tmp_path / "single", "containers")
     outs = results(run_ranks(patterns.verify_worker, world_size, str(tmp_path / "ranks"), "containers", "first",
                              timeout=240))
@@ -27,6 +30,7 @@ def test_an_exact_recipe_verifies_clean_and_keeps_its_results(world_size, tmp_pa
     assert [m.split(":")[1].strip() if ":" in m else m for m in said] == ["VALID verified", "TEST verified"], said
     assert all("values equal one process" in m for m in said)
     assert all(out["verification"] == [] for out in outs[1:])  # rank 0 says it
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("ddp_eval-verify-*")) == scratch  # scratch files removed
 
 
 def test_what_cannot_be_made_exact_is_named_by_verify(tmp_path):
