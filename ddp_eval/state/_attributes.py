@@ -229,8 +229,6 @@ class Slot:
         if self.assigned_at is not None and not self.events:  # the binding rebuilt from is the first event
             self.events.append((self.assigned_at, "!" if self.over_none else "=", plain_value(self.obj)))
             self.assigned_at, self.assignments, self.created = None, 0, False
-        elif not self.events and (self.start is ABSENT or self.start is None):
-            self.events.append((batch, "~", plain_value(self.obj)))
         self.events.extend((batch, op, x) for op, x in ops)
         self.obj = value
         self.watch = BoundWatch(self, value)  # changed in place from now on: named at stage end
