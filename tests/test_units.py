@@ -206,3 +206,27 @@ def test_a_journal_piece_of_the_old_layout_is_refused_with_a_clear_reason(tmp_pa
     piece.write_bytes(blob)
     found, why = _journal._read(piece)
     assert found is None and "written by an older ddp_eval" in why and "evaluated again" in why
+
+
+def test_fingerprint_shares_cover_the_model_once_and_give_the_whole_fingerprint():
+    from ddp_eval.stage._model import fingerprint_share, model_fingerprint, model_tensors, tensor_crc
+
+    torch.manual_seed(0)
+    lm = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50))
+    tied = torch.nn.Linear(16, 50)
+    tied.weight = lm[1].weight  # a tensor two modules hold is read once
+    tensors = model_tensors([toy.make_model(batchnorm=True), lm, tied])
+    assert len(tensors) == 9 + 3 + 1  # toy model with BatchNorm, the LM, the tied layer's bias
+    whole = model_fingerprint(tensors)
+    sizes = [t.numel() * t.element_size() for _, t, _ in tensors]
+    for world_size in range(1, 6):
+        shares = [fingerprint_share(tensors, rank, world_size) for rank in range(world_size)]
+        assert sorted(i for share in shares for i in share) == list(range(len(tensors)))
+        assert all(i in shares[0] for i, (_, _, is_buffer) in enumerate(tensors) if is_buffer)
+        loads = [sum(sizes[i] for i in share) for share in shares]
+        assert max(loads) - min(loads) <= max(sizes)  # spread by bytes, largest first
+        crcs = {i: tensor_crc(tensors[i][1]) for share in shares for i in share}
+        assert model_fingerprint(tensors, crcs) == whole
+    with torch.no_grad():
+        lm[0].weight[3, 3] += 1
+    assert model_fingerprint(tensors) != whole

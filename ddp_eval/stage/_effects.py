@@ -12,10 +12,6 @@ cross-rank checks that name what could not be merged.
   and by none of the other ranks' batches: a per-batch effect under ``if
   if_main_process():`` (BEST-RQ appends its accuracy so), which sharding
   leaves with rank 0's batches only.
-* :func:`module_states`: one checksum per module of its buffers and tensor and
-  number attributes; :func:`differing_modules` names modules whose state a
-  stage changed and that differ across ranks after it (InputNormalization
-  called through ``hparams`` keeps learning on each rank's own batches).
 
 Example
 -------
@@ -32,13 +28,9 @@ import os
 import pathlib
 import sys
 import threading
-import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import torch
-
 from ddp_eval.state._order import as_chunks, growth_since
-from ddp_eval.state._values import is_number
 
 PART_SUFFIX = ".ddp_eval-part"
 
@@ -140,44 +132,3 @@ def main_only(changed: Mapping[str, Sequence[int]], batches: Sequence[int]) -> L
         return []
     return sorted(label for label, counts in changed.items()
                   if counts[0] == batches[0] and not any(counts[1:]))
-
-
-def _state_crc(module: torch.nn.Module) -> int:
-    crc = 0
-    for sub in module.modules():
-        items = [(f"buffer {n}", b) for n, b in sub.named_buffers(recurse=False)]
-        items += [(n, v) for n, v in vars(sub).items() if isinstance(v, torch.Tensor) or is_number(v)]
-        for name, value in items:
-            if isinstance(value, torch.Tensor):
-                data = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data
-                crc = zlib.crc32(data, zlib.crc32(name.encode(), crc))
-            else:
-                crc = zlib.crc32(repr(value).encode(), zlib.crc32(name.encode(), crc))
-    return crc
-
-
-def module_states(brain: Any) -> Dict[str, int]:
-    """``{where: checksum}`` of the Brain's modules and the modules in its hparams."""
-    found, seen = {}, set()
-    modules = getattr(brain, "modules", None)
-    candidates = [(f"modules.{n}", m) for n, m in (modules.items() if modules is not None else ())]
-    hparams = getattr(brain, "hparams", None)
-    candidates += [(f"hparams.{n}", v) for n, v in sorted(vars(hparams).items())] if hparams is not None else []
-    for where, module in candidates:
-        module = getattr(module, "module", module) if isinstance(
-            module, torch.nn.parallel.DistributedDataParallel) else module
-        if isinstance(module, torch.nn.Module) and id(module) not in seen:
-            seen.add(id(module))
-            found[where] = _state_crc(module)
-    return found
-
-
-def differing_modules(start: Sequence[Mapping[str, int]], end: Sequence[Mapping[str, int]]) -> Dict[str, str]:
-    """``{where: why}`` of modules some rank's stage changed that differ across ranks after it."""
-    named = {}
-    for where in sorted(end[0]):
-        changed = [r for r, (s, e) in enumerate(zip(start, end)) if s.get(where) != e.get(where)]
-        if changed and len({e.get(where) for e in end}) > 1:
-            named[where] = (f"its buffers or statistics changed during the stage (on rank(s) {changed}) and now "
-                            "differ across ranks: each rank updated them from its own batches")
-    return named

@@ -32,10 +32,7 @@ import hashlib
 import pickle
 import time
 import uuid
-import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
-
-import torch
 
 from ddp_eval.checkpointing.commit import write_file_atomically
 
@@ -60,30 +57,6 @@ class JournalKey:
 
     def prefix(self) -> str:
         return f"{self.stage}-{'none' if self.epoch is None else self.epoch}-"
-
-
-def model_fingerprint(modules: Iterable[torch.nn.Module]) -> str:
-    """A digest of every parameter and buffer (names, dtypes, shapes and the
-    crc32 of their bytes) of ``modules``; DDP wrappers are looked through.
-
-    Example
-    -------
-    >>> _ = torch.manual_seed(0); a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    >>> model_fingerprint([a]) == model_fingerprint([a]), model_fingerprint([a]) == model_fingerprint([b])
-    (True, False)
-    """
-    digest = hashlib.sha1()
-    seen = set()
-    for module in modules:
-        module = getattr(module, "module", module) if isinstance(
-            module, torch.nn.parallel.DistributedDataParallel) else module
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{zlib.crc32(data.data)}\n".encode())
-    return digest.hexdigest()[:20]
 
 
 def layout_fingerprint(metric_objects: Sequence[Tuple[str, str]], attributes: Sequence[str]) -> str:

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from ddp_eval import dist
 from ddp_eval.errors import ConfigError
-from ddp_eval.stage._effects import differing_modules, main_only
+from ddp_eval.stage._effects import main_only
+from ddp_eval.stage._model import differing_modules
 from ddp_eval.state.attribute_merge import last_writer
 from ddp_eval.state.bookkeeping import last_candidates_of
 

@@ -19,19 +19,11 @@ Example
 import logging
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-import torch
-
 from ddp_eval import dist
 from ddp_eval.checkpointing.commit import TMP_PREFIX
 from ddp_eval.stage._effects import StageOutputs
-from ddp_eval.stage._journal import (
-    JournalKey,
-    StageJournal,
-    find_resumable,
-    layout_fingerprint,
-    model_fingerprint,
-    remove_pieces,
-)
+from ddp_eval.stage._journal import JournalKey, StageJournal, find_resumable, layout_fingerprint, remove_pieces
+from ddp_eval.stage._model import fingerprint_share, model_fingerprint, model_modules, model_tensors, tensor_crc
 from ddp_eval.stage.sharding import global_batch_ids, is_stream
 from ddp_eval.state._attributes import AttributeTracker
 from ddp_eval.state.metrics import MetricRecorder, describe_objects
@@ -68,11 +60,9 @@ def expand(ranges: Sequence[Tuple[int, int]]) -> List[int]:
     return [p for a, b in ranges for p in range(a, b)]
 
 
-def _model_modules(brain: Any) -> List[torch.nn.Module]:
-    """The Brain's modules and the modules among its hparams (e.g. a language model)."""
-    modules = list(brain.modules.values()) if getattr(brain, "modules", None) is not None else []
-    hparams = vars(brain.hparams) if getattr(brain, "hparams", None) is not None else {}
-    return modules + [v for _, v in sorted(hparams.items()) if isinstance(v, torch.nn.Module)]
+def _tensors(brain: Any) -> list:
+    """The model's tensors in fingerprint order (:func:`ddp_eval.stage._model.model_tensors`)."""
+    return model_tensors([module for _, module in model_modules(brain)])
 
 
 def _data_key(loader: Any) -> Tuple[str, Optional[int]]:
@@ -86,17 +76,26 @@ def _data_key(loader: Any) -> Tuple[str, Optional[int]]:
 class StageResume:
     """The journal of one sharded stage on this rank, and what it resumed."""
 
-    def __init__(self, journal: StageJournal, done: Sequence[int], old: List[Tuple[Any, dict]]) -> None:
+    def __init__(self, journal: StageJournal, done: Sequence[int], old: List[Tuple[Any, dict]], model: str) -> None:
         self.journal = journal
         self.done = list(done)
         self.old = old  # rank 0: (path, piece) of the journal it resumes
-        self.model: Optional[str] = None  # this stage's model fingerprint, once computed
+        self.model = model  # this stage's model fingerprint, taken together at stage start
         self.journaled_batches = 0  # this rank's batches already in a piece
         self.journaled_loss = (0.0, 0)
         self.failed = False
 
     @staticmethod
-    def propose(brain: Any, stage: StageRecord, root) -> Tuple[Any, list, dict, list]:
+    def share(brain: Any, crcs: Dict[int, int]) -> Dict[int, int]:
+        """On every rank at stage start: ``{position: crc32}`` of this rank's share of
+        the model fingerprint (``crcs``: what :func:`~ddp_eval.stage._model.module_states`
+        already read, by tensor id), for the stage-start exchange."""
+        tensors = _tensors(brain)
+        return {i: crcs[id(tensors[i][1])] if id(tensors[i][1]) in crcs else tensor_crc(tensors[i][1])
+                for i in fingerprint_share(tensors, dist.get_rank(), dist.get_world_size())}
+
+    @staticmethod
+    def propose(brain: Any, stage: StageRecord, root, crcs: Dict[int, int]) -> Tuple[Any, list, dict, list]:
         """On rank 0 at stage start: ``(key, done ranges, stream digests, pieces)``
         of the journal this stage resumes; the first three travel to every rank."""
         data, batches = _data_key(stage.loader)
@@ -106,7 +105,9 @@ class StageResume:
         layout = layout_fingerprint(describe_objects(stage.metrics.objects), listed)
         key = JournalKey(stage.stage.name, stage.epoch, data, batches, layout)
         checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
-        old, notes = find_resumable(root, key, lambda: model_fingerprint(_model_modules(brain)), checkpoint)
+        tensors = _tensors(brain)  # the whole fingerprint, read here only if there are pieces to check
+        old, notes = find_resumable(root, key, lambda: model_fingerprint(
+            tensors, {i: crcs[id(t)] for i, (_, t, _) in enumerate(tensors) if id(t) in crcs}), checkpoint)
         for note in notes:
             logger.warning(note)
         done = sorted(p for _, piece in old for p in piece["positions"])
@@ -114,9 +115,10 @@ class StageResume:
         return key, compress(done), digests if batches is None else {}, old
 
     @classmethod
-    def accept(cls, proposal: Tuple[Any, list, dict], old: list, stage: StageRecord, root,
-               every_s: float) -> "StageResume":
-        """On every rank, with rank 0's :meth:`propose`: tells the loader what is done."""
+    def accept(cls, proposal: Tuple[Any, list, dict], old: list, shares: Sequence[Dict[int, int]], brain: Any,
+               stage: StageRecord, root, every_s: float) -> "StageResume":
+        """On every rank, with rank 0's :meth:`propose` and every rank's :meth:`share`:
+        tells the loader what is done, and takes the model fingerprint."""
         key, done_ranges, digests = proposal
         done = expand(done_ranges)
         if is_stream(stage.loader):
@@ -127,7 +129,8 @@ class StageResume:
             total = key.batches if key.batches is not None else "?"
             logger.info(f"ddp_eval: resuming {stage.stage.name} from its journal: {len(done)} of {total} batches done "
                         f"(from {len(old)} piece(s)); evaluating the others.")
-        return cls(StageJournal(root, key, dist.get_rank(), every_s), done, old)
+        model = model_fingerprint(_tensors(brain), {i: crc for share in shares for i, crc in share.items()})
+        return cls(StageJournal(root, key, dist.get_rank(), every_s), done, old, model)
 
     def after_batch(self, brain: Any, stage: StageRecord) -> None:
         """Writes this rank's piece of the batches since the previous one, if due.
@@ -147,8 +150,6 @@ class StageResume:
                            "stage, whose results are unaffected. Check resume_eval_dir.")
 
     def _write(self, brain: Any, stage: StageRecord) -> None:
-        if self.model is None:
-            self.model = model_fingerprint(_model_modules(brain))
         positions = global_batch_ids(stage.loader)
         covered = positions[self.journaled_batches: stage.metrics.batches]
         digests = getattr(stage.loader, "digests", {})

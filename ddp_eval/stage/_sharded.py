@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader
 
 from ddp_eval import dist, sb_compat
 from ddp_eval.errors import VerificationError
-from ddp_eval.stage._effects import AppendWatch, StageOutputs, module_states, write_outputs
+from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
+from ddp_eval.stage._model import module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
@@ -100,24 +101,28 @@ class ShardedStage:
         if wants_verification(cfg.verify, self.stage.name, verified) and not is_stream(self.loader):
             self.verifier = StageVerifier(brain, self._recipe_attributes())  # before probes and factories
         self.book = StageBook(brain, cfg)
-        self.outside, self.modules = self._outside_markers(), module_states(brain)
+        crcs: Dict[int, int] = {}  # the buffers' checksums, read once for both uses
+        self.outside, self.modules = self._outside_markers(), module_states(brain, crcs)
         plan, old = None, []
         limit = brain.debug_batches if getattr(brain, "debug", False) else None  # --debug: global batches
 
-        def local():  # the plan on every rank; the journal's answer on rank 0
+        def local():  # the plan on every rank; the journal's answer on rank 0; shares of the model fingerprint
             nonlocal plan, old
             plan = new_plan(self.loader, limit)
-            proposal = None
-            if self.journal_root is not None and dist.get_rank() == 0:
-                *proposal, old = StageResume.propose(brain, self, self.journal_root)
-            return plan.ledger.summary() if plan else None, proposal
+            proposal, share = None, None
+            if self.journal_root is not None:
+                share = StageResume.share(brain, crcs)
+                if dist.get_rank() == 0:
+                    *proposal, old = StageResume.propose(brain, self, self.journal_root, crcs)
+            return plan.ledger.summary() if plan else None, proposal, share
 
         per_rank = dist.decide(f"{self.stage.name} stage start", local)
         if plan is not None:
             check_same_batches(describe_loader(self.loader, self.stage.name), [p[0] for p in per_rank], plan.ledger)
         dist.broadcast_ddp_buffers(list(brain.modules.values()))
         if self.journal_root is not None:
-            self.resume = StageResume.accept(per_rank[0][1], old, self, self.journal_root, cfg.resume_eval_every_s)
+            self.resume = StageResume.accept(per_rank[0][1], old, [p[2] for p in per_rank], brain, self,
+                                             self.journal_root, cfg.resume_eval_every_s)
         self.running = True
         self.appends.__enter__()
         self.local_collectives.__enter__()

@@ -1,0 +1,137 @@
+"""What a sharded stage reads of the model: checksums of its tensors, each read
+once per stage edge.
+
+* :func:`module_states` (at stage start and at stage end, on every rank): one
+  checksum per module of its buffers and tensor and number attributes;
+  :func:`differing_modules` names modules whose state a stage changed and that
+  differ across ranks after it (InputNormalization called through ``hparams``
+  keeps learning on each rank's own batches). Both edges read the buffers: a
+  BatchNorm's running statistics change in place without moving the tensor's
+  ``_version``, so nothing cheaper says they did not change.
+* :func:`model_fingerprint`: the model a journal piece was written with (the
+  names, dtypes, shapes and crc32 of every parameter and buffer). The ranks
+  take it together at stage start: each reads only its :func:`fingerprint_share`
+  of the parameters, rank 0 also the buffers (the source of the stage-start
+  broadcast), whose checksums :func:`module_states` has just read, and the
+  shares travel on the stage-start exchange. The digest does not depend on the
+  world size, so a journal resumes at another one.
+
+Example
+-------
+>>> _ = torch.manual_seed(0)
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+>>> tensors = model_tensors([model])
+>>> [name for name, _, _ in tensors]
+['0.weight', '0.bias', '1.weight', '1.bias', '1.running_mean', '1.running_var', '1.num_batches_tracked']
+>>> shares = [fingerprint_share(tensors, rank, 2) for rank in range(2)]
+>>> shares  # rank 0: the buffers (24 bytes) and one bias; rank 1: the 16-byte weight first
+[[2, 4, 5, 6], [0, 1, 3]]
+>>> crcs = {i: tensor_crc(tensors[i][1]) for share in shares for i in share}
+>>> model_fingerprint(tensors, crcs) == model_fingerprint(tensors)
+True
+"""
+
+import hashlib
+import zlib
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ddp_eval.state._values import is_number
+
+
+def _unwrapped(module: Any) -> Any:
+    return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+
+
+def model_modules(brain: Any) -> List[Tuple[str, torch.nn.Module]]:
+    """``(where, module)`` of the Brain's modules and the modules among its hparams
+    (e.g. a language model), each once, DDP wrappers looked through."""
+    modules = getattr(brain, "modules", None)
+    candidates = [(f"modules.{n}", m) for n, m in (modules.items() if modules is not None else ())]
+    hparams = getattr(brain, "hparams", None)
+    candidates += [(f"hparams.{n}", v) for n, v in sorted(vars(hparams).items())] if hparams is not None else []
+    found, seen = [], set()
+    for where, module in candidates:
+        module = _unwrapped(module)
+        if isinstance(module, torch.nn.Module) and id(module) not in seen:
+            seen.add(id(module))
+            found.append((where, module))
+    return found
+
+
+def tensor_crc(tensor: torch.Tensor) -> int:
+    """The crc32 of a tensor's bytes (a device tensor is copied to the CPU)."""
+    return zlib.crc32(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
+
+
+def _state_crc(module: torch.nn.Module, crcs: Dict[int, int]) -> int:
+    crc = 0
+    for sub in module.modules():
+        items = [(f"buffer {n}", b) for n, b in sub.named_buffers(recurse=False)]
+        items += [(n, v) for n, v in vars(sub).items() if isinstance(v, torch.Tensor) or is_number(v)]
+        for name, value in items:
+            if isinstance(value, torch.Tensor):
+                if id(value) not in crcs:
+                    crcs[id(value)] = tensor_crc(value)
+                text = f"{name}|{value.dtype}|{tuple(value.shape)}|{crcs[id(value)]}"
+            else:
+                text = f"{name}|{value!r}"
+            crc = zlib.crc32(text.encode(), crc)
+    return crc
+
+
+def module_states(brain: Any, crcs: Optional[Dict[int, int]] = None) -> Dict[str, int]:
+    """``{where: checksum}`` of the Brain's modules and the modules in its hparams;
+    ``crcs`` (if given) receives ``{id(tensor): crc32}`` of every tensor read."""
+    crcs = {} if crcs is None else crcs
+    return {where: _state_crc(module, crcs) for where, module in model_modules(brain)}
+
+
+def differing_modules(start: Sequence[Mapping[str, int]], end: Sequence[Mapping[str, int]]) -> Dict[str, str]:
+    """``{where: why}`` of modules some rank's stage changed that differ across ranks after it."""
+    named = {}
+    for where in sorted(end[0]):
+        changed = [r for r, (s, e) in enumerate(zip(start, end)) if s.get(where) != e.get(where)]
+        if changed and len({e.get(where) for e in end}) > 1:
+            named[where] = (f"its buffers or statistics changed during the stage (on rank(s) {changed}) and now "
+                            "differ across ranks: each rank updated them from its own batches")
+    return named
+
+
+def model_tensors(modules: Iterable[torch.nn.Module]) -> List[Tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_buffer)`` of every parameter, then every buffer, of each
+    module in turn, each tensor once: the order of the fingerprint."""
+    found, seen = [], set()
+    for module in modules:
+        module = _unwrapped(module)
+        named = [(n, t, False) for n, t in module.named_parameters()]
+        for name, tensor, is_buffer in named + [(n, t, True) for n, t in module.named_buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append((name, tensor, is_buffer))
+    return found
+
+
+def fingerprint_share(tensors: Sequence[Tuple[str, torch.Tensor, bool]], rank: int, world_size: int) -> List[int]:
+    """Positions in ``tensors`` whose crc ``rank`` reads for the fingerprint: every
+    buffer on rank 0, the parameters spread over the ranks by bytes (largest first)."""
+    size = [t.numel() * t.element_size() for _, t, _ in tensors]
+    load = [sum(s for s, (_, _, is_buffer) in zip(size, tensors) if is_buffer)] + [0] * (world_size - 1)
+    owner = {i: 0 for i, (_, _, is_buffer) in enumerate(tensors) if is_buffer}
+    for i in sorted((i for i in range(len(tensors)) if i not in owner), key=lambda i: (-size[i], i)):
+        owner[i] = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner[i]] += size[i]
+    return [i for i in range(len(tensors)) if owner[i] == rank]
+
+
+def model_fingerprint(tensors: Sequence[Tuple[str, torch.Tensor, bool]],
+                      crcs: Optional[Mapping[int, int]] = None) -> str:
+    """A digest of ``tensors`` (:func:`model_tensors`); ``crcs`` gives the crc32 of
+    positions already read (the ranks' shares); the others are read here."""
+    crcs = crcs or {}
+    digest = hashlib.sha1()
+    for i, (name, tensor, _) in enumerate(tensors):
+        crc = crcs[i] if i in crcs else tensor_crc(tensor)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{crc}\n".encode())
+    return digest.hexdigest()[:20]
