@@ -4,6 +4,7 @@ import errno
 import os
 import pathlib
 import time
+from unittest import mock
 
 import torch
 from speechbrain.core import INTRA_EPOCH_CKPT_FLAG
@@ -45,14 +46,14 @@ def storage_without_rename(rank, world_size, directory, action):
     def no_rename(src, dst):
         raise OSError(errno.EPERM, "Operation not permitted (simulated FUSE mount)", str(src))
 
-    ckpt_module._rename_dir = no_rename
-    ckpter, model, blob = kill_points.make_checkpointer(directory, version=5)
-    ckpter.on_unsupported_storage = action
-    ckpter.timeout = 20
-    ckpter.save_checkpoint(meta={"version": 5})
-    ckpter.save_checkpoint(meta={"version": 6}, name="same")
-    ckpter.save_checkpoint(meta={"version": 7}, name="same")  # re-save in place
-    found = ckpter.find_checkpoint()
+    with mock.patch.object(ckpt_module, "_rename_dir", no_rename):
+        ckpter, model, blob = kill_points.make_checkpointer(directory, version=5)
+        ckpter.on_unsupported_storage = action
+        ckpter.timeout = 20
+        ckpter.save_checkpoint(meta={"version": 5})
+        ckpter.save_checkpoint(meta={"version": 6}, name="same")
+        ckpter.save_checkpoint(meta={"version": 7}, name="same")  # re-save in place
+        found = ckpter.find_checkpoint()
     return found.meta["version"], sorted(p.name for p in pathlib.Path(directory).iterdir())
 
 
@@ -189,13 +190,13 @@ def async_enospc(rank, world_size, directory):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return original(obj, path, *args, **kwargs)
 
-    torch.save = full_disk
-    blob.version = 2
-    second = ckpter.save_checkpoint(meta={"version": 2}, name="second")  # returns: the write is later
-    try:
-        ckpter.save_checkpoint(meta={"version": 3}, name="third")  # the next call raises
-    except ddp_eval.DDPEvalError as error:
-        return {"returned": second.path.name, "error": type(error).__name__, "message": str(error)}
+    with mock.patch.object(torch, "save", full_disk):
+        blob.version = 2
+        second = ckpter.save_checkpoint(meta={"version": 2}, name="second")  # returns: the write is later
+        try:
+            ckpter.save_checkpoint(meta={"version": 3}, name="third")  # the next call raises
+        except ddp_eval.DDPEvalError as error:
+            return {"returned": second.path.name, "error": type(error).__name__, "message": str(error)}
     return {"returned": second.path.name, "error": None}
 
 
@@ -223,19 +224,19 @@ def async_saves_then_average(rank, world_size, directory):
             release.set()
         return original_wait(self, timeout)
 
-    torch.save, BackgroundWriter.wait = held_save, releasing_wait
-    model = torch.nn.Linear(200, 500)
-    ckpter = ddp_eval.Checkpointer(directory, {"model": model}, async_save=True)
-    for version, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
-        with torch.no_grad():
-            model.weight.fill_(float(version))
-        if version == 3:
-            ckpter.wait()
-            hold.set()  # the last save's write is held until the recipe's find_checkpoints waits for it
-        ckpter.save_and_keep_only(meta={"loss": loss, "version": version}, min_keys=["loss"], num_to_keep=2)
-    running = ckpter._background.writer.running
-    found = ckpter.find_checkpoints(min_key="loss")
-    averaged = sb.utils.checkpoints.average_checkpoints(found, recoverable_name="model")
-    best = ckpter.find_checkpoint(min_key="loss")
+    with mock.patch.object(torch, "save", held_save), mock.patch.object(BackgroundWriter, "wait", releasing_wait):
+        model = torch.nn.Linear(200, 500)
+        ckpter = ddp_eval.Checkpointer(directory, {"model": model}, async_save=True)
+        for version, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
+            with torch.no_grad():
+                model.weight.fill_(float(version))
+            if version == 3:
+                ckpter.wait()
+                hold.set()  # the last save's write is held until the recipe's find_checkpoints waits for it
+            ckpter.save_and_keep_only(meta={"loss": loss, "version": version}, min_keys=["loss"], num_to_keep=2)
+        running = ckpter._background.writer.running
+        found = ckpter.find_checkpoints(min_key="loss")
+        averaged = sb.utils.checkpoints.average_checkpoints(found, recoverable_name="model")
+        best = ckpter.find_checkpoint(min_key="loss")
     return {"running": running, "found": [c.meta["version"] for c in found],
             "averaged": float(averaged["weight"][0, 0]), "best": best.meta["version"]}

@@ -6,18 +6,21 @@ import tempfile
 import pytest
 import torch.distributed as dist
 
+from tests.mp_harness import POOL
+
 _RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_process_group_or_env():
     """Fails a test that leaves a process group, torchrun variables, child
-    processes or harness work directories behind."""
+    processes (other than the harness's pool of ranks) or harness work
+    directories behind."""
     before = {k: os.environ.get(k) for k in _RANK_VARS}
     pattern = os.path.join(tempfile.gettempdir(), f"ddp_eval_mp_{os.getpid()}_*")  # this session only
     workdirs = set(glob.glob(pattern))
     yield
-    children = multiprocessing.active_children()
+    children = [c for c in multiprocessing.active_children() if c.pid not in POOL.pids()]
     for child in children:
         child.kill()
     assert not children, f"test left processes running: {children}"
@@ -33,3 +36,10 @@ def no_leaked_process_group_or_env():
             os.environ[k] = v
     assert not leaked, "test left a process group initialised"
     assert before == after, f"test leaked environment variables: {before} -> {after}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if POOL.started:
+        terminalreporter.write_line(
+            f"rank pool: {POOL.started} processes started, discarded {len(POOL.discarded)} times "
+            f"({'; '.join(POOL.discarded[:12]) or 'never'})")

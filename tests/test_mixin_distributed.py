@@ -41,7 +41,8 @@ def _assert_same_metrics(dist_record, single_record):
         assert dist_record["scheduler"][1] == pytest.approx(single_record["scheduler"][1], rel=1e-6)
 
 
-@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.fast), 3, 4, 5, 6, 8])
+# 5 and 6 ranks run the code of 4 (every rank a batch of VALID, some none of the tiny set)
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.fast), 3, 4, 8])
 def test_distributed_equals_single_process(world_size, single_process, tmp_path):
     """Valid (23 samples, batch 3: 8 batches), test (DynamicBatchSampler) and a
     2-sample set (ranks with nothing from world size 3 on) give single-process numbers."""
@@ -129,14 +130,13 @@ def test_consistency_check_names_diverging_object_and_rank(tmp_path):
         assert "'scheduler'" in outcome["message"] and "rank 1" in outcome["message"]
 
 
-@pytest.mark.parametrize("world_size", [3, 5])
+@pytest.mark.parametrize("world_size", [3])  # rank 2 has no VALID batch (more ranks have none at 5: same code)
 def test_batchnorm_trained_under_ddp_then_ranks_without_a_batch(world_size, tmp_path):
     """DDP broadcasts buffers at the first forward after a training step; a rank
     without a VALID or TEST batch must not leave the others waiting there. Every
     rank's numbers equal one process evaluating the checkpointed model."""
     per_rank = results(run_ranks(batchnorm_train_then_eval, world_size, str(tmp_path), timeout=120))
     # one process, plain SpeechBrain, loads the checkpoint the DDP run wrote
-    workers.keep_plain_batchnorm()
     single = toy.build(toy.ToyBrain, tmp_path, batchnorm=True, epochs=1,
                        checkpointer_cls=sb.utils.checkpoints.Checkpointer)
     single.checkpointer.recover_if_possible()

@@ -57,7 +57,7 @@ def slow_rank(rank, world_size, ckpt_dir, late_rank):
     class Slow(toy.DDPToyBrain):
         def on_stage_start(self, stage, epoch=None):
             if stage == sb.Stage.VALID and rank == late_rank:
-                time.sleep(8)
+                time.sleep(5)  # the others give up after 1.5 s (+0.5 s to report)
             super().on_stage_start(stage, epoch)
 
     brain = toy.build(Slow, ckpt_dir, ddp_eval_opts={"collective_timeout": 1.5})
@@ -77,10 +77,13 @@ def diverging_scheduler(rank, world_size, ckpt_dir):
 
 def keep_plain_batchnorm():
     """SpeechBrain converts BatchNorm to SyncBatchNorm under DDP, which cannot
-    train on CPU; this keeps plain BatchNorm (buffers DDP broadcasts)."""
+    train on CPU; within this context, plain BatchNorm stays (buffers DDP broadcasts)."""
+    from unittest import mock
+
     import torch
 
-    torch.nn.SyncBatchNorm.convert_sync_batchnorm = staticmethod(lambda module, *a, **k: module)
+    return mock.patch.object(torch.nn.SyncBatchNorm, "convert_sync_batchnorm",
+                             staticmethod(lambda module, *a, **k: module))
 
 
 BN_SETS = {"train": (10, 0), "valid": (5, 8), "test": (7, 9)}
@@ -90,13 +93,13 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
     """A BatchNorm model trained under DDP for one epoch (lr > 0, so weights and
     running statistics change), then VALID (5 items, batch 4: 2 batches) and
     TEST (7 items, batch 2: 4 batches), so some ranks get no batch."""
-    keep_plain_batchnorm()
-    brain = toy.build(toy.DDPToyBrain, ckpt_dir, batchnorm=True, epochs=1, lr=0.5)
-    sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
-    brain.fit(brain.hparams.counter, sets["train"], sets["valid"],
-              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 4})
-    seen_valid = list(brain.seen.ids)
-    brain.evaluate(sets["test"], min_key="loss", test_loader_kwargs={"batch_size": 2})
+    with keep_plain_batchnorm():  # SpeechBrain wraps the modules in fit (1.1) or at init (1.0)
+        brain = toy.build(toy.DDPToyBrain, ckpt_dir, batchnorm=True, epochs=1, lr=0.5)
+        sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
+        brain.fit(brain.hparams.counter, sets["train"], sets["valid"],
+                  train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 4})
+        seen_valid = list(brain.seen.ids)
+        brain.evaluate(sets["test"], min_key="loss", test_loader_kwargs={"batch_size": 2})
     return {"log": brain.log, "wrapped": type(brain.modules.model).__name__,
             "seen": {"valid": seen_valid, "test": brain.seen.ids[len(seen_valid):]}}
 
@@ -145,8 +148,9 @@ def tensor_state_evaluations(rank, world_size, use_mixin, batch_counts):
     evaluate() in MB, and the warnings this rank logged."""
     import logging
 
-    from tests.memory import peak_growth
+    from tests.memory import fixed_mmap_threshold, peak_growth
 
+    fixed_mmap_threshold()
     records = []
     handler = logging.Handler()
     handler.emit = records.append
