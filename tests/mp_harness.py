@@ -206,6 +206,8 @@ def _serve(conn):
         # store keys carry the count); pooled ranks of one group have made different numbers.
         ddp_eval.dist._default.update(group=None, channel=None, generation=0)
         snapshot.restore()
+        torch.set_num_threads(1)
+        torch.set_default_dtype(torch.float32)
         gc.collect()
         patched = _patched(before, _module_globals())
         conn.send(f"patched {patched[:5]}" if patched else "released")
@@ -285,8 +287,12 @@ class RankPool:
         for _, conn in workers:
             conn.send(("release",))
         deadline = time.monotonic() + timeout
-        answers = [conn.recv() if conn.poll(max(deadline - time.monotonic(), 0)) else "no answer"
-                   for _, conn in workers]
+        answers = []
+        for _, conn in workers:
+            try:
+                answers.append(conn.recv() if conn.poll(max(deadline - time.monotonic(), 0)) else "no answer")
+            except (EOFError, OSError):
+                answers.append("died tearing its group down")
         return next((a for a in answers if a != "released"), "released")
 
 
