@@ -179,12 +179,13 @@ def _serve(conn):
     import ddp_eval.dist
 
     torch.set_num_threads(1)
+    before = _module_globals()  # then after each task: what the next one starts with
     while True:
         message = conn.recv()
         if message[0] == "stop":
             os._exit(0)
         _, fn, rank, world_size, args, init_method = message
-        snapshot, before = _Snapshot(), _module_globals()
+        snapshot = _Snapshot()
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_WORLD_SIZE": str(world_size)})
         torch.manual_seed(TORCH_DEFAULT_SEED)
@@ -209,7 +210,9 @@ def _serve(conn):
         torch.set_num_threads(1)
         torch.set_default_dtype(torch.float32)
         gc.collect()
-        patched = _patched(before, _module_globals())
+        after = _module_globals()
+        patched = _patched(before, after)
+        before = after
         conn.send(f"patched {patched[:5]}" if patched else "released")
 
 

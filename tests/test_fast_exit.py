@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = 10
+RUNS = 6  # without the acknowledgement 4 of 4 runs failed (docs/never-hangs.md)
 
 
 def _launch(ckpt_dir):

@@ -1,5 +1,7 @@
 """python -m ddp_eval.inspect: what resume will load, and why."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -10,6 +12,7 @@ import speechbrain as sb
 import torch
 
 import ddp_eval
+import ddp_eval.inspect
 from ddp_eval.checkpointing.commit import TMP_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,10 +39,12 @@ def _folder(tmp_path):
 
 
 def _inspect(*args):
-    proc = subprocess.run([sys.executable, "-m", "ddp_eval.inspect", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    """``python -m ddp_eval.inspect ARGS``'s output, run in this process (the command
+    line itself: test_inspect_refuses_what_is_not_a_folder)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ddp_eval.inspect.main([str(a) for a in args]) == 0
+    return out.getvalue()
 
 
 @pytest.mark.fast

@@ -318,3 +318,28 @@ def unmakeable_metric_object(rank, world_size, ckpt_dir):
     except ddp_eval.DDPEvalError as error:
         return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
     return {"error": None}
+
+
+def leave_traces(rank, world_size, patch):
+    """Changes what a pooled rank must not carry to the next test: an environment
+    variable, the working directory, the torch seed and (``patch``) a function of
+    ddp_eval, none of them undone."""
+    import torch
+
+    import ddp_eval.dist
+
+    os.environ["DDP_EVAL_TEST_TRACE"] = "left"
+    os.chdir("/")
+    torch.manual_seed(rank + 5)
+    if patch:
+        ddp_eval.dist.get_rank = lambda: rank
+    return os.getpid()
+
+
+def what_a_rank_starts_with(rank, world_size):
+    import torch
+
+    import ddp_eval.dist
+
+    return {"pid": os.getpid(), "trace": os.environ.get("DDP_EVAL_TEST_TRACE"), "cwd": os.getcwd(),
+            "get_rank": ddp_eval.dist.get_rank.__module__, "seed": torch.initial_seed()}

@@ -1,0 +1,37 @@
+"""The pool of ranks the multi-process tests share (tests/mp_harness.py): a test never
+sees what an earlier one left in a pooled process."""
+
+import os
+
+import pytest
+
+from tests import workers
+from tests.mp_harness import POOL, TORCH_DEFAULT_SEED, results, run_ranks
+
+pytestmark = pytest.mark.fast
+
+
+def _starts(world_size):
+    return results(run_ranks(workers.what_a_rank_starts_with, world_size, timeout=60))
+
+
+def _clean(outs):
+    return all(o["trace"] is None and o["cwd"] == os.getcwd() and o["get_rank"] == "ddp_eval.dist"
+               and o["seed"] == TORCH_DEFAULT_SEED for o in outs)
+
+
+def test_the_next_test_finds_the_environment_directory_and_seed_of_a_new_process():
+    first = _starts(3)
+    assert _clean(first)
+    left = results(run_ranks(workers.leave_traces, 3, False, timeout=60))
+    assert left == [o["pid"] for o in first]  # the same processes ran both
+    again = _starts(3)
+    assert again == first and _clean(again)  # same processes, nothing of leave_traces left
+
+
+def test_a_monkeypatch_left_behind_discards_the_pool():
+    pids = [o["pid"] for o in _starts(2)]
+    assert results(run_ranks(workers.leave_traces, 2, True, timeout=60)) == pids
+    assert POOL.discarded[-1].startswith("leave_traces: patched ['ddp_eval.dist.get_rank'")
+    after = _starts(2)
+    assert not {o["pid"] for o in after} & set(pids) and _clean(after)  # new processes
