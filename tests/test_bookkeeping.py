@@ -1,4 +1,4 @@
-"""What the mixin's bookkeeping costs: tensor attributes at 1-3 ranks against one
+"""What the mixin's bookkeeping costs: tensor attributes at 1 and 3 ranks against one
 plain SpeechBrain process, values and peak memory, at two numbers of batches."""
 
 import pytest
@@ -30,7 +30,7 @@ def plain():
             for b in BATCH_COUNTS}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 3])  # 2 ranks: the code of 3 (gather, merge, apply)
 def test_tensor_attributes_equal_one_process_and_memory_does_not_grow_with_batches(world_size, plain):
     growth = {}
     for batches in BATCH_COUNTS:
