@@ -30,8 +30,6 @@ import warnings
 
 import torch.multiprocessing as mp
 
-TORCH_DEFAULT_SEED = 67280421310721  # torch's CPU generator in a new process
-
 
 class Hang(AssertionError):
     """Ranks were still running at the deadline (they were killed)."""
@@ -188,7 +186,7 @@ def _serve(conn):
         snapshot = _Snapshot()
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_WORLD_SIZE": str(world_size)})
-        torch.manual_seed(TORCH_DEFAULT_SEED)
+        torch.seed()  # a new process's generator starts from a nondeterministic seed
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
         try:
             outcome = {"result": fn(rank, world_size, *args)}

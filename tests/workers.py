@@ -93,7 +93,7 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
     """A BatchNorm model trained under DDP for one epoch (lr > 0, so weights and
     running statistics change), then VALID (5 items, batch 4: 2 batches) and
     TEST (7 items, batch 2: 4 batches), so some ranks get no batch."""
-    with keep_plain_batchnorm():  # SpeechBrain wraps the modules in fit (1.1) or at init (1.0)
+    with keep_plain_batchnorm():  # SpeechBrain wraps the modules in on_fit_start
         brain = toy.build(toy.DDPToyBrain, ckpt_dir, batchnorm=True, epochs=1, lr=0.5)
         sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
         brain.fit(brain.hparams.counter, sets["train"], sets["valid"],

@@ -60,8 +60,9 @@ def expand(ranges: Sequence[Tuple[int, int]]) -> List[int]:
     return [p for a, b in ranges for p in range(a, b)]
 
 
-def _tensors(brain: Any) -> list:
-    """The model's tensors in fingerprint order (:func:`ddp_eval.stage._model.model_tensors`)."""
+def model_of(brain: Any) -> list:
+    """The model's tensors in fingerprint order (:func:`ddp_eval.stage._model.model_tensors`),
+    listed once per stage start for :meth:`StageResume.share`, ``propose`` and ``accept``."""
     return model_tensors([module for _, module in model_modules(brain)])
 
 
@@ -86,16 +87,17 @@ class StageResume:
         self.failed = False
 
     @staticmethod
-    def share(brain: Any, crcs: Dict[int, int]) -> Dict[int, int]:
+    def share(tensors: list, crcs: Dict[int, int]) -> Dict[int, int]:
         """On every rank at stage start: ``{position: crc32}`` of this rank's share of
-        the model fingerprint (``crcs``: what :func:`~ddp_eval.stage._model.module_states`
-        already read, by tensor id), for the stage-start exchange."""
-        tensors = _tensors(brain)
+        the model fingerprint of ``tensors`` (:func:`model_of`; ``crcs``: what
+        :func:`~ddp_eval.stage._model.module_states` already read, by tensor id), for
+        the stage-start exchange."""
         return {i: crcs[id(tensors[i][1])] if id(tensors[i][1]) in crcs else tensor_crc(tensors[i][1])
                 for i in fingerprint_share(tensors, dist.get_rank(), dist.get_world_size())}
 
     @staticmethod
-    def propose(brain: Any, stage: StageRecord, root, crcs: Dict[int, int]) -> Tuple[Any, list, dict, list]:
+    def propose(brain: Any, stage: StageRecord, root, tensors: list,
+                crcs: Dict[int, int]) -> Tuple[Any, list, dict, list]:
         """On rank 0 at stage start: ``(key, done ranges, stream digests, pieces)``
         of the journal this stage resumes; the first three travel to every rank."""
         data, batches = _data_key(stage.loader)
@@ -105,7 +107,7 @@ class StageResume:
         layout = layout_fingerprint(describe_objects(stage.metrics.objects), listed)
         key = JournalKey(stage.stage.name, stage.epoch, data, batches, layout)
         checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
-        tensors = _tensors(brain)  # the whole fingerprint, read here only if there are pieces to check
+        # the whole fingerprint, read here only if there are pieces to check
         old, notes = find_resumable(root, key, lambda: model_fingerprint(
             tensors, {i: crcs[id(t)] for i, (_, t, _) in enumerate(tensors) if id(t) in crcs}), checkpoint)
         for note in notes:
@@ -115,7 +117,7 @@ class StageResume:
         return key, compress(done), digests if batches is None else {}, old
 
     @classmethod
-    def accept(cls, proposal: Tuple[Any, list, dict], old: list, shares: Sequence[Dict[int, int]], brain: Any,
+    def accept(cls, proposal: Tuple[Any, list, dict], old: list, tensors: list, shares: Sequence[Dict[int, int]],
                stage: StageRecord, root, every_s: float) -> "StageResume":
         """On every rank, with rank 0's :meth:`propose` and every rank's :meth:`share`:
         tells the loader what is done, and takes the model fingerprint."""
@@ -129,7 +131,7 @@ class StageResume:
             total = key.batches if key.batches is not None else "?"
             logger.info(f"ddp_eval: resuming {stage.stage.name} from its journal: {len(done)} of {total} batches done "
                         f"(from {len(old)} piece(s)); evaluating the others.")
-        model = model_fingerprint(_tensors(brain), {i: crc for share in shares for i, crc in share.items()})
+        model = model_fingerprint(tensors, {i: crc for share in shares for i, crc in share.items()})
         return cls(StageJournal(root, key, dist.get_rank(), every_s), done, old, model)
 
     def after_batch(self, brain: Any, stage: StageRecord) -> None:

@@ -35,7 +35,7 @@ from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
 from ddp_eval.stage._model import module_states
 from ddp_eval.stage._report import StageReport
-from ddp_eval.stage._resume import StageResume
+from ddp_eval.stage._resume import StageResume, model_of
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
 from ddp_eval.state._explain import Fingerprint
@@ -102,6 +102,7 @@ class ShardedStage:
             self.verifier = StageVerifier(brain, self._recipe_attributes())  # before probes and factories
         self.book = StageBook(brain, cfg)
         crcs: Dict[int, int] = {}  # the buffers' checksums, read once for both uses
+        tensors = model_of(brain) if self.journal_root is not None else []
         self.outside, self.modules = self._outside_markers(), module_states(brain, crcs)
         plan, old = None, []
         limit = brain.debug_batches if getattr(brain, "debug", False) else None  # --debug: global batches
@@ -111,9 +112,9 @@ class ShardedStage:
             plan = new_plan(self.loader, limit)
             proposal, share = None, None
             if self.journal_root is not None:
-                share = StageResume.share(brain, crcs)
+                share = StageResume.share(tensors, crcs)
                 if dist.get_rank() == 0:
-                    *proposal, old = StageResume.propose(brain, self, self.journal_root, crcs)
+                    *proposal, old = StageResume.propose(brain, self, self.journal_root, tensors, crcs)
             return plan.ledger.summary() if plan else None, proposal, share
 
         per_rank = dist.decide(f"{self.stage.name} stage start", local)
@@ -121,7 +122,7 @@ class ShardedStage:
             check_same_batches(describe_loader(self.loader, self.stage.name), [p[0] for p in per_rank], plan.ledger)
         dist.broadcast_ddp_buffers(list(brain.modules.values()))
         if self.journal_root is not None:
-            self.resume = StageResume.accept(per_rank[0][1], old, [p[2] for p in per_rank], brain, self,
+            self.resume = StageResume.accept(per_rank[0][1], old, tensors, [p[2] for p in per_rank], self,
                                              self.journal_root, cfg.resume_eval_every_s)
         self.running = True
         self.appends.__enter__()
