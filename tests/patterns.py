@@ -128,6 +128,9 @@ class PatternBrain(toy.ToyBrain):
         if self.pattern == "modules":  # through hparams, not in modules, as EmoDia
             # SpeechBrain 1.0.3's InputNormalization all-reduces every batch's statistics
             # with ReduceOp.AVG, which gloo lacks: on CPU, TRAIN keeps them local, as 1.1 does.
+            # TEST calls it in eval mode, as the warning about VALID advises: its statistics, learnt
+            # on each rank's own TRAIN and VALID batches, still differ across ranks (named too).
+            self.hparams.input_norm.train(stage != sb.Stage.TEST)
             with MainProcessContext() if stage == sb.Stage.TRAIN else contextlib.nullcontext():
                 x = self.hparams.input_norm(x, lens)
         mask = (torch.arange(x.shape[1])[None, :] < (lens * x.shape[1]).round()[:, None]).float()

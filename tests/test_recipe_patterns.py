@@ -136,6 +136,9 @@ def test_a_module_learning_statistics_through_hparams_is_named(ranks):
     warnings = outs[0]["modules"]["warnings"]
     named = [w for w in warnings if "'hparams.input_norm'" in w]
     assert named and "modules differ across ranks" in named[0] and "eval mode" in named[0]
+    # TEST in eval mode: unchanged by the stage, but apart since TRAIN (a model per rank): named too
+    test = [w for w in named if "sharded TEST stage" in w]
+    assert test and "differed across ranks when the stage started" in test[0], named
     assert not [w for w in warnings if "state outside the Brain" in w]  # said once, as a module
 
 

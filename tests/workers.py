@@ -93,6 +93,12 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
     """A BatchNorm model trained under DDP for one epoch (lr > 0, so weights and
     running statistics change), then VALID (5 items, batch 4: 2 batches) and
     TEST (7 items, batch 2: 4 batches), so some ranks get no batch."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
     with keep_plain_batchnorm():  # SpeechBrain wraps the modules in on_fit_start
         brain = toy.build(toy.DDPToyBrain, ckpt_dir, batchnorm=True, epochs=1, lr=0.5)
         sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
@@ -101,7 +107,8 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
         seen_valid = list(brain.seen.ids)
         brain.evaluate(sets["test"], min_key="loss", test_loader_kwargs={"batch_size": 2})
     return {"log": brain.log, "wrapped": type(brain.modules.model).__name__,
-            "seen": {"valid": seen_valid, "test": brain.seen.ids[len(seen_valid):]}}
+            "seen": {"valid": seen_valid, "test": brain.seen.ids[len(seen_valid):]},
+            "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
 
 
 def accumulating_recipe(rank, world_size, ckpt_dir, stream, ddp_eval_opts=None):

@@ -3,9 +3,12 @@ once per stage edge.
 
 * :func:`module_states` (at stage start and at stage end, on every rank): one
   checksum per module of its buffers and tensor and number attributes;
-  :func:`differing_modules` names modules whose state a stage changed and that
-  differ across ranks after it (InputNormalization called through ``hparams``
-  keeps learning on each rank's own batches). Both edges read the buffers: a
+  :func:`differing_modules` names modules that differed across ranks when the
+  stage started (the stage-start checksums are taken after DDP's buffers were
+  broadcast, so only what no broadcast brings into step can differ: a module
+  outside DDP that learnt on each rank's own batches) and modules whose state
+  the stage changed and that differ across ranks after it (InputNormalization
+  called through ``hparams`` keeps learning). Both edges read the buffers: a
   BatchNorm's running statistics change in place without moving the tensor's
   ``_version``, so nothing cheaper says they did not change.
 * :func:`model_fingerprint`: the model a journal piece was written with (the
@@ -81,19 +84,46 @@ def _state_crc(module: torch.nn.Module, crcs: Dict[int, int]) -> int:
     return crc
 
 
-def module_states(brain: Any, crcs: Optional[Dict[int, int]] = None) -> Dict[str, int]:
-    """``{where: checksum}`` of the Brain's modules and the modules in its hparams;
-    ``crcs`` (if given) receives ``{id(tensor): crc32}`` of every tensor read."""
+def module_states(brain: Any, crcs: Optional[Dict[int, int]] = None,
+                  only: Optional[Iterable[str]] = None) -> Dict[str, int]:
+    """``{where: checksum}`` of the Brain's modules and the modules in its hparams
+    (those named in ``only``, if given); ``crcs`` (if given) receives
+    ``{id(tensor): crc32}`` of every tensor read."""
     crcs = {} if crcs is None else crcs
-    return {where: _state_crc(module, crcs) for where, module in model_modules(brain)}
+    only = None if only is None else set(only)
+    return {where: _state_crc(module, crcs) for where, module in model_modules(brain)
+            if only is None or where in only}
+
+
+def ddp_wrapped(brain: Any) -> List[str]:
+    """Where the Brain's DDP-wrapped modules are (their buffers are broadcast at stage start)."""
+    modules = getattr(brain, "modules", None)
+    return [f"modules.{n}" for n, m in (modules.items() if modules is not None else ())
+            if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
 
 
 def differing_modules(start: Sequence[Mapping[str, int]], end: Sequence[Mapping[str, int]]) -> Dict[str, str]:
-    """``{where: why}`` of modules some rank's stage changed that differ across ranks after it."""
+    """``{where: why}`` of modules that differed across ranks at stage start, and of
+    modules some rank's stage changed that differ across ranks after it.
+
+    Example
+    -------
+    >>> differing_modules([{"m": 1}, {"m": 2}], [{"m": 1}, {"m": 2}])["m"][:60]
+    'it differed across ranks when the stage started (rank(s) [1]'
+    >>> differing_modules([{"m": 1}, {"m": 1}], [{"m": 1}, {"m": 1}])
+    {}
+    """
     named = {}
-    for where in sorted(end[0]):
+    for where in sorted(set(start[0]) | set(end[0])):
+        apart = [r for r, s in enumerate(start) if s.get(where) != start[0].get(where)]
         changed = [r for r, (s, e) in enumerate(zip(start, end)) if s.get(where) != e.get(where)]
-        if changed and len({e.get(where) for e in end}) > 1:
+        if apart:
+            named[where] = (f"it differed across ranks when the stage started (rank(s) {apart} against rank 0), "
+                            "so each rank evaluated its batches with a model of its own and the merged results "
+                            "are no one process's: bring its state into step on every rank before the stage "
+                            "(e.g. broadcast it from rank 0 in on_stage_start, as DDP does for its buffers), or "
+                            "keep what it learns out of it")
+        elif changed and len({e.get(where) for e in end}) > 1:
             named[where] = (f"its buffers or statistics changed during the stage (on rank(s) {changed}) and now "
                             "differ across ranks: each rank updated them from its own batches")
     return named

@@ -118,7 +118,8 @@ class StageReport:
                 + "; ".join(f"'{m}': {why}" for m, why in sorted(self.modules.items()))
                 + ". A module that learns statistics when called (InputNormalization, BatchNorm in train "
                 "mode) should be in the Brain's modules, which SpeechBrain puts in eval mode for VALID and "
-                "TEST, or be called in eval mode there.")
+                "TEST, or be called in eval mode there; one that learnt on each rank's own batches during "
+                "TRAIN must also be brought into step before VALID and TEST.")
         appends = sorted({p for r in self.per_rank for p in r.get("appends", [])})
         if appends:
             messages.append(

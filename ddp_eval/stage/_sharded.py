@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from ddp_eval import dist, sb_compat
 from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
-from ddp_eval.stage._model import module_states
+from ddp_eval.stage._model import ddp_wrapped, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
@@ -121,6 +121,8 @@ class ShardedStage:
         if plan is not None:
             check_same_batches(describe_loader(self.loader, self.stage.name), [p[0] for p in per_rank], plan.ledger)
         dist.broadcast_ddp_buffers(list(brain.modules.values()))
+        if dist.get_rank() > 0:  # the broadcast changed DDP buffers here (rank 0 was its source): read them anew
+            self.modules.update(module_states(brain, only=ddp_wrapped(brain)))
         if self.journal_root is not None:
             self.resume = StageResume.accept(per_rank[0][1], old, tensors, [p[2] for p in per_rank], self,
                                              self.journal_root, cfg.resume_eval_every_s)
