@@ -13,6 +13,7 @@ Example
 True
 """
 
+import functools
 import pathlib
 from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
@@ -37,7 +38,12 @@ NESTED_LIST_FIELDS = {"BLEUStats": ("targets",)}
 def nested_list_fields(metric: Any) -> Tuple[str, ...]:
     """The fields of ``metric`` (by its class or a SpeechBrain base class) in
     :data:`NESTED_LIST_FIELDS`."""
-    for cls in type(metric).__mro__:
+    return _nested_list_fields(type(metric))
+
+
+@functools.lru_cache(maxsize=None)
+def _nested_list_fields(metric_class: type) -> Tuple[str, ...]:
+    for cls in metric_class.__mro__:
         if cls.__module__.startswith("speechbrain.") and cls.__name__ in NESTED_LIST_FIELDS:
             return NESTED_LIST_FIELDS[cls.__name__]
     return ()

@@ -45,6 +45,7 @@ Example
 [(5, '+', 2)]
 """
 
+import itertools
 import logging
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -407,6 +408,8 @@ class AttributeTracker:
         self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget)
                                         for label, (owner, name) in targets.items()}
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
+        self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
+        self._added: List[Slot] = []  # watched since the batch began (created by it): seen after it
 
     @property
     def used_bytes(self) -> int:
@@ -419,21 +422,26 @@ class AttributeTracker:
         for label, (owner, name) in targets.items():
             if label not in self.tracks:
                 self.tracks[label] = Slot(label, owner, name, self.budget, start=ABSENT)
+                self._added.append(self.tracks[label])
 
     def before_batch(self) -> None:
         """Before a batch: numbers, tensors, arrays and empty lists get their probes;
         the attributes a look at every batch is needed for are noted."""
-        self._busy = [slot for slot in self.tracks.values() if slot.busy()]
+        self._busy, self._idle, self._added = [], [], []
+        for slot in self.tracks.values():
+            (self._busy if slot.busy() else self._idle).append(slot)
         for slot in self._busy:
             slot.before_batch()
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did: a look at the busy attributes,
         an identity check of the others (a string, a bool, a tuple, an object)."""
-        busy = {id(slot) for slot in self._busy}
-        for slot in self.tracks.values():
-            if id(slot) in busy or get_value(slot.owner, slot.name) is not slot.obj:
+        for slot in self._busy:
+            slot.observe(self.batches)
+        for slot in itertools.chain(self._idle, self._added):
+            if get_value(slot.owner, slot.name) is not slot.obj:
                 slot.observe(self.batches)
+        self._added = []
         self.batches += 1
 
     def finish(self, positions: Sequence[int]) -> Tuple[Dict[str, Change], Dict[str, str]]:
@@ -489,6 +497,9 @@ class AttributeTracker:
             slot = self.tracks.pop(label, None)
             if slot is not None:
                 slot.release()
+                for prepared in (self._busy, self._idle, self._added):
+                    if slot in prepared:
+                        prepared.remove(slot)
 
     def changed_batches(self) -> Dict[str, int]:
         """``{label: number of this rank's batches that changed it}`` of attributes

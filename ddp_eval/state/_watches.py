@@ -27,6 +27,7 @@ import array
 import collections
 import itertools
 import logging
+import operator
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -168,6 +169,7 @@ class ListWatch(Watch):
         watched = created_at is None and 0 < len(obj) <= SMALL_DICT and slot.depth < MAX_DEPTH
         self.entries = {i: _entry(self, i, obj[i]) for i in range(len(obj))} if watched else {}
         self.active = {i for i, entry in self.entries.items() if entry.busy()}
+        self.idle = None  # the entries not in active, and their objects (see _idle_moved)
         # entries held at stage start and not watched one by one: they must stay as they were
         self.kept = Fingerprint.of(obj) if created_at is None and obj and not watched else None
         if created_at is not None and obj:
@@ -241,16 +243,31 @@ def _entry(watch: Watch, key: Any, start: Any) -> Any:
     return type(slot)(f"{slot.label}[{key!r}]", watch.obj, key, slot.budget, start=start, depth=slot.depth + 1)
 
 
+def _idle_moved(watch: Any, value: Any) -> bool:
+    """Whether an entry not looked at every batch holds another object now: one
+    identity comparison per entry, at C speed (``watch.idle`` caches the keys and
+    objects, dropped whenever they may change)."""
+    if watch.idle is None:
+        keys = tuple(k for k in watch.entries if k not in watch.active)
+        watch.idle = (keys, [watch.entries[k].obj for k in keys])
+    keys, objects = watch.idle
+    now = map(value.get, keys, itertools.repeat(ABSENT)) if isinstance(value, dict) else map(value.__getitem__, keys)
+    return any(map(operator.is_not, now, objects))  # dict.get: no defaultdict factory
+
+
 def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
     """Observes the entries of a dict or list watch that need a look: those with
     probes or containers, and the others whose object changed."""
     changed, active = False, watch.active
     looked = [(k, watch.entries[k]) for k in active if k not in adopted]
-    if isinstance(value, dict):
-        get = value.get  # dict.get: no defaultdict factory
-        looked += [(k, e) for k, e in watch.entries.items() if k not in active and get(k, ABSENT) is not e.obj]
-    else:
-        looked += [(k, e) for k, e in watch.entries.items() if k not in active and value[k] is not e.obj]
+    if _idle_moved(watch, value):
+        watch.idle = None  # the entries observed below hold new objects
+        if isinstance(value, dict):
+            get = value.get  # dict.get: no defaultdict factory
+            looked += [(k, e) for k, e in watch.entries.items() if k not in active and get(k, ABSENT) is not e.obj]
+        else:
+            looked += [(k, e) for k, e in watch.entries.items() if k not in active and value[k] is not e.obj]
+    size = len(active)
     for key, entry in looked:
         before = entry.changed_batches
         entry.observe(batch)
@@ -262,11 +279,20 @@ def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
         else:
             entry.quiet += 1
         if entry.busy() and not (entry.depth and entry.quiet > QUIET_BATCHES and not is_mutable(entry.obj)):
-            active.add(key)
-        else:  # a number that stopped changing (one per utterance) is watched by identity again
+            if key not in active:
+                active.add(key)
+                watch.idle = None
+        elif key in active:  # a number that stopped changing (one per utterance) is watched by identity again
             active.discard(key)
             entry.hot = entry.hot and not entry.quiet > QUIET_BATCHES
-    active.update(adopted)
+            watch.idle = None
+        else:
+            entry.hot = entry.hot and not entry.quiet > QUIET_BATCHES
+    if adopted:
+        active.update(adopted)
+        watch.idle = None
+    if len(active) != size:
+        watch.idle = None
     return changed
 
 
@@ -293,6 +319,7 @@ class DictWatch(Watch):
         keys = list(itertools.islice(obj, self.room)) if created_at is None else []
         self.entries = {key: _entry(self, key, obj[key]) for key in keys}
         self.active = {key for key, entry in self.entries.items() if entry.busy()}  # looked at every batch
+        self.idle = None  # the entries not in active, and their objects (see _idle_moved)
         self.unwatched = [(key, obj[key], _marker(obj[key])) for key in itertools.islice(obj, self.room, None)
                           ] if created_at is None else []  # references and fingerprints, compared at stage end
         self.factory = None
@@ -323,6 +350,7 @@ class DictWatch(Watch):
             self.length = len(value)
             self.added.extend((batch, self.length))
             for key in new[: max(self.room - len(self.entries), 0)]:
+                self.idle = None
                 entry = self.entries[key] = _entry(self, key, ABSENT)
                 entry.hot = self.length - self.start_len <= EAGER_NEW_KEYS  # few new keys: counters, stats
                 made = self._made(value[key])

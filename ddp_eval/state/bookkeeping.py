@@ -118,6 +118,7 @@ class StageBook:
             if "." in path and path not in config.attributes_exclude:
                 targets[path] = resolve(brain, path)
         self.attributes = AttributeTracker(targets, config.attribute_memory_mb)
+        self._names_of: Tuple[Any, Any] = (None, None)  # (the Brain's attribute names, holders) last looked at
 
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
         """Plain attributes of the recipe's Brain that may be merged (not those
@@ -143,8 +144,12 @@ class StageBook:
         """Notes what the batch just evaluated did (the values are plain until the
         next :meth:`start`-like preparation, ``attributes.before_batch()``)."""
         objects = self.metrics.after_batch(self.brain)
-        self.attributes.drop(_holders(objects) & set(self.attributes.tracks))
-        self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
+        holders, tracks = _holders(objects), self.attributes.tracks
+        self.attributes.drop([h for h in holders if h in tracks])
+        names, seen = vars(self.brain).keys(), self._names_of
+        if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
+            self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
+            self._names_of = (set(names), holders)
         self.attributes.after_batch()
 
     def collect(self, positions: Sequence[int]) -> Collected:

@@ -33,6 +33,7 @@ Example
 """
 
 import array
+import functools
 import itertools
 import math
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
@@ -101,17 +102,25 @@ class MetricFinder:
         found: Dict[str, Any] = {}
         ids = set()
         seen = {}
+        previous = self._seen
         for name, value in sorted(vars(owner).items()):
             if name in self.exclude or (self.include is not None and name not in self.include):
                 continue
-            here = self._scan(name, value)
+            shape = _shape(type(value))
+            if shape is None:  # a number, a string, a module...: holds no metric object
+                continue
+            before = previous.get(name)
+            if before is not None and before[0] is value and shape == "fixed":
+                here = before[2]  # the same tuple or metric object: what it held before
+            else:
+                here = self._scan(name, value)
             seen[name] = (value, len(value) if isinstance(value, (dict, list)) else 0, here)
             for path, (_, obj) in here.items():
                 if id(obj) not in ids:
                     ids.add(id(obj))
                     found[path] = obj
         self._seen = seen
-        return dict(sorted(found.items()))
+        return dict(sorted(found.items())) if len(found) > 1 else found
 
     def rescan(self, owner: Any) -> Dict[str, Any]:
         """:meth:`find` from nothing (containers were reordered or filled from outside)."""
@@ -134,11 +143,15 @@ class MetricFinder:
                 now = value.get(key) if isinstance(value, dict) else value[key]
                 if isinstance(now, METRIC_TYPES):
                     here[path] = (key, now)
+            grown = len(value) - previous[1]
+            if not grown:
+                return here
             if isinstance(value, dict):
-                new_keys = list(itertools.islice(reversed(value), len(value) - previous[1]))[::-1]
-                items: Iterable = ((k, value[k]) for k in new_keys)
+                new_keys = list(itertools.islice(reversed(value), grown))
+                new_keys.reverse()
+                items: Iterable = zip(new_keys, map(value.__getitem__, new_keys))
             else:
-                items = ((i, value[i]) for i in range(previous[1], len(value)))
+                items = enumerate(value[previous[1]:], previous[1])
         elif isinstance(value, Mapping):
             items = value.items()
         elif isinstance(value, (list, tuple)):
@@ -151,6 +164,17 @@ class MetricFinder:
             if isinstance(obj, METRIC_TYPES):
                 here[f"{name}[{key}]"] = (key, obj)
         return here
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(cls: type) -> Optional[str]:
+    """What :meth:`MetricFinder._scan` may find in an object of ``cls``: ``None``,
+    nothing (not a metric object, a mapping, a list or a tuple); ``"fixed"``, the
+    same as long as it is the same object (a metric object, a tuple); else
+    ``"grows"`` (a mapping or a list)."""
+    if issubclass(cls, (Mapping, list)):
+        return "grows"
+    return "fixed" if issubclass(cls, METRIC_TYPES + (tuple,)) else None
 
 
 def _flatten(path: str, obj: Any, seen: set) -> Iterable[Tuple[str, Any]]:
@@ -189,6 +213,17 @@ def _fields(sub: Any, nested: Iterable[str] = None, skip: Iterable[str] = ()) ->
                 yield name, value
         elif is_number(value):
             yield name, value
+
+
+def _lists(sub: Any, skip: Iterable[str] = ()) -> Iterable[Tuple[str, list]]:
+    """The list fields of :func:`_fields`, in its order (what a batch may append to)."""
+    nested = sb_compat.nested_list_fields(sub)
+    for name, value in vars(sub).items():
+        if isinstance(value, list) and name not in skip:
+            if name in nested:
+                yield from ((f"{name}[{i}]", inner) for i, inner in enumerate(value))
+            else:
+                yield name, value
 
 
 def snapshot(objects: Mapping[str, Any], slotted: Mapping[str, Iterable[str]] = {}) -> Snapshot:
@@ -300,16 +335,15 @@ class MetricRecorder:
                             _merged_elsewhere(value) or isinstance(sub, MultiMetricStats)):
                         self.unmerged[(path, name)] = Fingerprint.of(value)
             grew = False
-            for name, value in _fields(sub, skip=self.slotted.get(path, ())):
-                if isinstance(value, list):
-                    key = (path, name)
-                    before = self._last.get(key, 0)
-                    if len(value) < before:
-                        self.shrunk[f"{path}.{name}"] = f"entries were removed ({before} -> {len(value)})"
-                    elif len(value) > before:
-                        self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
-                        self._last[key] = len(value)
-                        grew = True
+            for name, value in _lists(sub, self.slotted.get(path, ())):
+                key = (path, name)
+                before = self._last.get(key, 0)
+                if len(value) < before:
+                    self.shrunk[f"{path}.{name}"] = f"entries were removed ({before} -> {len(value)})"
+                elif len(value) > before:
+                    self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
+                    self._last[key] = len(value)
+                    grew = True
             if grew and path in self.start:  # existed at stage start, for the main-process-only check
                 self.changed_batches[path] = self.changed_batches.get(path, 0) + 1
 
