@@ -291,3 +291,33 @@ def test_a_dict_of_one_entry_per_utterance_merges_in_order(layout):
             holder.scores.pop("u0-0", None)
     for holder in holders:
         assert list(holder.scores.items()) == list(single.scores.items())
+
+
+@pytest.mark.parametrize("layout", [[list(range(0, 30, 2)), list(range(1, 30, 2))],
+                                    [list(range(12)), list(range(12, 30)), []]], ids=["interleaved", "blocks"])
+def test_dict_and_list_entries_that_go_quiet_then_change_again(layout):
+    """Entries looked at every batch until they stop changing (QUIET_BATCHES), and a
+    dict's entries past its first new keys (one per utterance), are then watched by
+    identity alone: a later change of either, by += or by =, is still merged as one
+    process's. 30 batches, so entries are quiet for longer than QUIET_BATCHES."""
+    def make():
+        return types.SimpleNamespace(counts={"a": 0, "b": 0}, hist=[0, 0, 0], results={}, made=collections.Counter())
+
+    def batch(h, b):
+        if b < 3 or b in (20, 27):
+            h.counts["a"] += b + 1  # busy, quiet from batch 3 to 19, then += again
+        if b in (2, 24):
+            h.counts["b"] = 10 * b  # set, quiet, set again
+        if b < 2 or b == 22:
+            h.hist[b % 3] += 1
+        h.results.update((f"u{b}-{i}", b) for i in range(4))  # 4 new keys a batch: most watched by identity
+        if b in (18, 25):
+            h.results["u1-0"] = -b  # an early entry set again
+            h.results[f"u{b - 12}-3"] = 1000 + b  # another rank's key, in blocks
+        if b % 7 == 0:
+            h.made[f"k{b % 3}"] += 1
+
+    single, holders, _ = simulate(make, batch, layout)
+    for holder in holders:
+        assert_same(single, holder)
+    assert single.counts == {"a": 1 + 2 + 3 + 21 + 28, "b": 240} and single.results["u1-0"] == -25
