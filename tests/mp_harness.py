@@ -9,7 +9,10 @@ By default the ranks come from a pool of processes started once per pytest
 session (:class:`RankPool`, as torchmetrics' tests share one pool): each call
 creates a new process group in them, and tears it down after. A call whose
 ranks fail, die or hang discards the pool (the next call starts new ones), so
-a test that checks failures never leaves a broken process for the next.
+a test that checks failures never leaves a broken process for the next. Ranks
+that failed together, as ddp_eval makes them (its errors, agreed on every rank
+before they are raised; not a timeout), are kept if tearing the group down
+leaves no patch and no thread of the test's behind.
 ``fresh=True`` (or ``env``: variables read at import) starts new processes
 for the call alone: for measurements of a fresh process's memory.
 """
@@ -24,6 +27,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -166,6 +170,32 @@ def _patched(before, after):
             if k in after.get(name, {}) and after[name][k][0] != v[0] and after[name][k][1] != v[0]]
 
 
+def _failure_kind(exc):
+    """``"agreed"``: one of ddp_eval's errors, which the ranks agree on before raising
+    (:func:`ddp_eval.dist.decide`, a failing rank raising its own exception);
+    ``"timeout"``: a collective timed out, and may still be under way; else ``"other"``."""
+    from ddp_eval.errors import CollectiveTimeoutError, DDPEvalError
+
+    if isinstance(exc, CollectiveTimeoutError):
+        return "timeout"
+    return "agreed" if isinstance(exc, DDPEvalError) else "other"
+
+
+def _ours(thread):
+    """A thread the task started from ddp_eval or the tests (not a library's
+    once-per-process helper, as tqdm's monitor or multiprocessing's resource sharer)."""
+    module = getattr(getattr(thread, "_target", None), "__module__", None) or ""
+    return thread.name.startswith("ddp_eval") or module.startswith(("ddp_eval", "tests"))
+
+
+def _reusable(outcomes):
+    """Whether the ranks stand where a finished job leaves them: each returned, or
+    the failures are ddp_eval's agreed errors (with the failing rank's own exception
+    beside them), none a timeout."""
+    kinds = [o.get("failure") for o in outcomes if "result" not in o]
+    return not kinds or ("agreed" in kinds and all(k in ("agreed", "other") for k in kinds))
+
+
 def _serve(conn):
     """A pooled rank: runs tasks until told to stop; exits on anything unexpected."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -188,10 +218,12 @@ def _serve(conn):
                            "LOCAL_WORLD_SIZE": str(world_size)})
         torch.seed()  # a new process's generator starts from a nondeterministic seed
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        threads = set(threading.enumerate())
         try:
             outcome = {"result": fn(rank, world_size, *args)}
-        except BaseException as exc:  # reported to the parent, which discards the pool
-            outcome = {"error": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        except BaseException as exc:  # reported to the parent (see RankPool.run)
+            outcome = {"error": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc(),
+                       "failure": _failure_kind(exc)}
         try:
             conn.send(outcome)
         except Exception as exc:  # a result that cannot be pickled
@@ -211,7 +243,9 @@ def _serve(conn):
         after = _module_globals()
         patched = _patched(before, after)
         before = after
-        conn.send(f"patched {patched[:5]}" if patched else "released")
+        left = [t.name for t in threading.enumerate() if t not in threads and t.is_alive() and _ours(t)]
+        conn.send(f"patched {patched[:5]}" if patched else f"threads left running {left[:5]}" if left
+                  else "released")
 
 
 class RankPool:
@@ -269,9 +303,9 @@ class RankPool:
                 alive = [r for r, o in enumerate(outcomes) if o is None]
                 self.discard(f"{fn.__name__}: hang")
                 raise Hang(f"ranks {alive} still running after {timeout} s (killed)")
-            if not all("result" in o for o in outcomes):
+            if not _reusable(outcomes):
                 self.discard(f"{fn.__name__}: a rank failed")
-            else:
+            else:  # every rank returned, or raised an error all ranks agreed on: the group is torn down
                 answer = self._release(workers)
                 if answer != "released":
                     self.discard(f"{fn.__name__}: {answer}")

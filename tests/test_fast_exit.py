@@ -1,6 +1,7 @@
 """A job that ends right after evaluate() is reported as finished, whoever hosts the store."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -8,17 +9,28 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = 6  # without the acknowledgement 4 of 4 runs failed (docs/never-hangs.md)
+RUNS = 4  # without the acknowledgement 6 of 6 runs failed, launched so (docs/never-hangs.md)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _launch(ckpt_dir):
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts the store (as with srun + env://)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "tests", "exit_job.py"), str(ckpt_dir)]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    """Both ranks of one job, started as srun starts them (no torchrun agent):
+    ``env://``, so rank 0 hosts the store."""
+    port = str(_free_port())
+    jobs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        jobs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "exit_job.py"), str(ckpt_dir)],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True))
+    return jobs
 
 
 def test_rank_0_exiting_at_once_after_evaluate_leaves_every_rank_exit_0(tmp_path):
@@ -27,13 +39,15 @@ def test_rank_0_exiting_at_once_after_evaluate_leaves_every_rank_exit_0(tmp_path
     for pair in range(RUNS // 2):  # two jobs at a time
         jobs = [_launch(tmp_path / f"run{pair}-{i}") for i in range(2)]
         for job in jobs:
-            try:
-                output, _ = job.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(job.pid, 9)
-                output, _ = job.communicate()
-                failures.append(f"hung:\n{output[-2000:]}")
-                continue
-            if job.returncode != 0:
-                failures.append(f"exit {job.returncode}:\n{output[-3000:]}")
+            outputs, codes = [], []
+            for rank, process in enumerate(job):
+                try:
+                    output, _ = process.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, 9)
+                    output, _ = process.communicate()
+                outputs.append(f"rank {rank}:\n{output[-2000:]}")
+                codes.append(process.returncode)
+            if codes != [0, 0]:
+                failures.append(f"exit codes {codes}:\n" + "\n".join(outputs))
     assert not failures, f"{len(failures)} of {RUNS} runs failed; first:\n{failures[0]}"

@@ -37,3 +37,17 @@ def test_a_monkeypatch_left_behind_discards_the_pool():
     assert POOL.discarded[-1].startswith("leave_traces: patched ['ddp_eval.dist.get_rank'")
     after = _starts(2)
     assert not {o["pid"] for o in after} & set(pids) and _clean(after)  # new processes
+
+
+def test_ranks_that_fail_together_are_kept_and_a_timeout_or_a_thread_left_discards_them():
+    pids = [o["pid"] for o in _starts(2)]
+    failed = run_ranks(workers.fail_together, 2, "agreed", timeout=60)
+    assert [o.get("error") for o in failed] == ["RankFailedError", "RuntimeError"], failed
+    assert [o["pid"] for o in _starts(2)] == pids  # kept: the failure ran ddp_eval's protocol to its end
+    run_ranks(workers.fail_together, 2, "timeout", timeout=60)
+    assert POOL.discarded[-1] == "fail_together: a rank failed"
+    after = [o["pid"] for o in _starts(2)]
+    assert not set(after) & set(pids)
+    assert results(run_ranks(workers.fail_together, 2, "thread", timeout=60)) == after
+    assert POOL.discarded[-1] == "fail_together: threads left running ['ddp_eval test: left running']"
+    assert not {o["pid"] for o in _starts(2)} & set(after)

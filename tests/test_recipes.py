@@ -18,7 +18,7 @@ needs_fsdd = pytest.mark.skipif(
     not os.path.isdir(FSDD), reason=f"FSDD recordings not found at {FSDD} (see README: Data)")
 
 
-def _run(script, hparams, output, *args, nproc=2, timeout=300):
+def _start(script, hparams, output, *args, nproc=2):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     cmd = launcher + [os.path.join(ROOT, script), os.path.join(ROOT, hparams),
@@ -26,10 +26,30 @@ def _run(script, hparams, output, *args, nproc=2, timeout=300):
     if nproc:
         cmd.append("--distributed_backend=gloo")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd + list(args), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return subprocess.Popen(cmd + list(args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _finish(jobs, timeout=300):
+    """Waits for every job (the whole process tree of one that overruns is killed); all must exit 0."""
+    failed = []
+    for job in jobs:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, 9)
+            out, err = job.communicate()
+        if job.returncode != 0:
+            failed.append(f"{job.args[-1]} exit {job.returncode}:\n{out[-3000:]}{err[-5000:]}")
+    for job in jobs:
+        if job.poll() is None:  # a job left running by a failure above
+            os.killpg(job.pid, 9)
+            job.wait()
+    assert not failed, "\n".join(failed)
+
+
+def _run(script, hparams, output, *args, nproc=2, timeout=300):
+    _finish([_start(script, hparams, output, *args, nproc=nproc)], timeout)
 
 
 def _lines(path):
@@ -51,13 +71,17 @@ def _train_then_compare_evaluations(tmp_path, script, hparams, reports, *args, w
     assert sum(line.startswith("Epoch loaded") for line in log) == epochs
     ckpts = [d for d in os.listdir(trained / "save") if d.startswith("CKPT")]
     assert 1 <= len(ckpts) <= 2 and not [d for d in os.listdir(trained / "save") if d.startswith(".")]
-    evaluations = {}
-    for nproc in (None,) + tuple(world_sizes):
+    evaluations, jobs = {}, []
+    for nproc in (None,) + tuple(world_sizes):  # side by side: one job's imports while another evaluates
         copy = tmp_path / f"eval-{nproc or 'python'}"
         shutil.copytree(trained, copy)
         for report in reports:
             os.remove(copy / report)
-        _run(script, hparams, copy, f"--number_of_epochs={epochs}", "--test_only", *args, nproc=nproc)
+        jobs.append(_start(script, hparams, copy, f"--number_of_epochs={epochs}", "--test_only", *args,
+                           nproc=nproc))
+    _finish(jobs)
+    for nproc in (None,) + tuple(world_sizes):
+        copy = tmp_path / f"eval-{nproc or 'python'}"
         evaluations[nproc] = ({r: (copy / r).read_text() for r in reports},
                               _lines(copy / "train_log.txt")[-1])
     single = evaluations[None]

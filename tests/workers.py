@@ -350,3 +350,27 @@ def what_a_rank_starts_with(rank, world_size):
 
     return {"pid": os.getpid(), "trace": os.environ.get("DDP_EVAL_TEST_TRACE"), "cwd": os.getcwd(),
             "get_rank": ddp_eval.dist.get_rank.__module__, "seed": torch.initial_seed()}
+
+
+def fail_together(rank, world_size, how):
+    """Ends a task as ``how`` says: ``"agreed"``, rank 1's own exception raised on every
+    rank through ddp_eval's decide; ``"timeout"``, a collective timeout on every rank;
+    ``"thread"``, a thread of the test's still running."""
+    import threading
+
+    from ddp_eval import dist
+    from ddp_eval.errors import CollectiveTimeoutError
+
+    def local():
+        if rank == 1:
+            raise RuntimeError("rank 1 fails")
+        return os.getpid()
+
+    if how == "agreed":
+        dist.decide("fail together", local)
+    if how == "timeout":
+        raise CollectiveTimeoutError("a collective timed out (raised by the test)")
+    if how == "thread":
+        threading.Thread(target=threading.Event().wait, args=(60,), name="ddp_eval test: left running",
+                         daemon=True).start()
+    return os.getpid()
