@@ -2,10 +2,12 @@
 the same command runs again, with as many processes or another number, exactly;
 and under torchrun --max-restarts the restarted attempt resumes it by itself."""
 
+import concurrent.futures
 import json
 import math
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -77,21 +79,31 @@ def _assert_as_one_process(per_rank, reference):
         assert math.isclose(got["loss_total"], want["loss_total"], rel_tol=1e-12)
 
 
+def _kill_then_resume(tmp_path, killed_at, resumed_at, reference_dir):
+    """Kills a TEST at ``killed_at`` ranks half way, then runs it again at ``resumed_at``
+    (None: one process, no torchrun), in a checkpoint folder of its own."""
+    ckpt_dir = tmp_path / f"save-{killed_at}-{resumed_at}"
+    shutil.copytree(reference_dir, ckpt_dir)
+    journaled = _kill_half_way(killed_at, ckpt_dir, tmp_path / f"killed-{killed_at}")
+    per_rank = _run_to_the_end(resumed_at, ckpt_dir, tmp_path / f"resumed-{resumed_at}")
+    assert not _journaled(ckpt_dir)  # removed once on_stage_end ran on every rank
+    return per_rank, journaled
+
+
 def test_sigkilled_test_resumes_at_3_ranks_then_from_3_ranks_in_one_process(tmp_path):
     ckpt_dir = tmp_path / "save"
     workers.save_test_checkpoint(ckpt_dir)
     reference = workers.plain_test(ckpt_dir)
-    # killed at 2 ranks, the same command at 3 ranks finishes it
-    journaled = _kill_half_way(2, ckpt_dir, tmp_path / "killed-2")
-    per_rank = _run_to_the_end(3, ckpt_dir, tmp_path / "resumed-3")
+    # killed at 2 ranks, the same command at 3 ranks finishes it; killed at 3 ranks, one
+    # process (no torchrun) finishes it: the two jobs side by side, each on a copy
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_kill_then_resume, tmp_path, killed, resumed, ckpt_dir) for killed, resumed in
+                ((2, 3), (3, None))]
+        (per_rank, journaled), ((single,), journaled_at_3) = [run.result() for run in runs]
     _assert_as_one_process(per_rank, reference)
     assert sum(out["batches"] for out in per_rank) == TOTAL_BATCHES - journaled
-    assert not _journaled(ckpt_dir)  # removed once on_stage_end ran on every rank
-    # killed at 3 ranks, one process (no torchrun) finishes it
-    journaled = _kill_half_way(3, ckpt_dir, tmp_path / "killed-3")
-    (single,) = _run_to_the_end(None, ckpt_dir, tmp_path / "resumed-1")
     _assert_as_one_process([single], reference)
-    assert single["batches"] == TOTAL_BATCHES - journaled
+    assert single["batches"] == TOTAL_BATCHES - journaled_at_3
 
 
 def test_worker_killed_during_test_under_max_restarts_resumes_from_the_journal(tmp_path):
