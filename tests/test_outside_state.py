@@ -74,3 +74,38 @@ def test_a_beam_searchers_scratch_state_is_not_named_but_an_aligners_dict_is():
     assert searcher.batch_size == 2  # its scratch did change
     assert changed_outside(start, outside_markers(brain)) == {
         PATH: "dict gained 1 key(s) (0 -> 1)"}
+
+
+@pytest.mark.fast
+def test_a_beam_searcher_that_decoded_other_batch_sizes_is_not_a_module_apart():
+    """The module check (stage start and end, across ranks) reads a decoder's buffers,
+    not the batch_size and n_bh each call rewrites: two ranks whose last batches
+    differed in size hold the same searcher; a changed parameter or buffer still counts."""
+    import types
+
+    import speechbrain as sb
+    import torch
+    from speechbrain.decoders.seq2seq import S2SRNNBeamSearcher
+    from speechbrain.nnet.RNN import AttentionalRNNDecoder
+
+    from ddp_eval.stage._model import differing_modules, module_states
+
+    def rank(batch_size):
+        torch.manual_seed(0)
+        searcher = S2SRNNBeamSearcher(
+            sb.nnet.embedding.Embedding(num_embeddings=5, embedding_dim=3),
+            AttentionalRNNDecoder("gru", "content", hidden_size=3, attn_dim=3, num_layers=1, enc_dim=4,
+                                  input_size=3),
+            sb.nnet.linear.Linear(input_size=3, n_neurons=5),
+            bos_index=0, eos_index=1, min_decode_ratio=0.0, max_decode_ratio=1.0, beam_size=2)
+        searcher(torch.randn(batch_size, 6, 4), torch.ones(batch_size))
+        searcher.register_buffer("calls", torch.zeros(1))
+        return types.SimpleNamespace(hparams=types.SimpleNamespace(valid_search=searcher))
+
+    brains = [rank(3), rank(2)]
+    assert brains[0].hparams.valid_search.batch_size != brains[1].hparams.valid_search.batch_size
+    states = [module_states(b) for b in brains]
+    assert differing_modules(states, states) == {}
+    brains[1].hparams.valid_search.calls += 1  # a buffer apart
+    apart = [module_states(b) for b in brains]
+    assert list(differing_modules(apart, apart)) == ["hparams.valid_search"]

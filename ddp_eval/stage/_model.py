@@ -2,7 +2,9 @@
 once per stage edge.
 
 * :func:`module_states` (at stage start and at stage end, on every rank): one
-  checksum per module of its buffers and tensor and number attributes;
+  checksum per module of its buffers, and of the tensor and number attributes
+  of its parts without parameters (where InputNormalization keeps its
+  statistics; elsewhere such attributes are per-call caches);
   :func:`differing_modules` names modules that differed across ranks when the
   stage started (the stage-start checksums are taken after DDP's buffers were
   broadcast, so only what no broadcast brings into step can differ: a module
@@ -40,6 +42,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ddp_eval import sb_compat
 from ddp_eval.state._values import is_number
 
 
@@ -68,11 +71,22 @@ def tensor_crc(tensor: torch.Tensor) -> int:
     return zlib.crc32(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
 
 
+def _keeps_statistics_as_attributes(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s plain tensor and number attributes are state: in a module
+    without parameters (InputNormalization's ``glob_mean``, ``count``). A module with
+    parameters keeps statistics in buffers (BatchNorm); its plain attributes are
+    per-call caches (an attention's ``precomputed_enc_h``), as a SpeechBrain
+    decoder's ``batch_size`` and ``n_bh`` are: they differ across ranks by the
+    batches each evaluated last, which says nothing about the model."""
+    return next(module.parameters(), None) is None and not sb_compat.holds_scratch_state(module)
+
+
 def _state_crc(module: torch.nn.Module, crcs: Dict[int, int]) -> int:
     crc = 0
     for sub in module.modules():
         items = [(f"buffer {n}", b) for n, b in sub.named_buffers(recurse=False)]
-        items += [(n, v) for n, v in vars(sub).items() if isinstance(v, torch.Tensor) or is_number(v)]
+        if _keeps_statistics_as_attributes(sub):
+            items += [(n, v) for n, v in vars(sub).items() if isinstance(v, torch.Tensor) or is_number(v)]
         for name, value in items:
             if isinstance(value, torch.Tensor):
                 if id(value) not in crcs:
