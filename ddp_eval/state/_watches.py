@@ -267,7 +267,6 @@ def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
             looked += [(k, e) for k, e in watch.entries.items() if k not in active and get(k, ABSENT) is not e.obj]
         else:
             looked += [(k, e) for k, e in watch.entries.items() if k not in active and value[k] is not e.obj]
-    size = len(active)
     for key, entry in looked:
         before = entry.changed_batches
         entry.observe(batch)
@@ -290,8 +289,6 @@ def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
             entry.hot = entry.hot and not entry.quiet > QUIET_BATCHES
     if adopted:
         active.update(adopted)
-        watch.idle = None
-    if len(active) != size:
         watch.idle = None
     return changed
 
