@@ -32,6 +32,7 @@ import datetime
 import logging
 import os
 import pickle
+import sys
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -510,12 +511,23 @@ def settle(timeout: Optional[float] = None) -> None:
 
 @atexit.register
 def _settle_at_exit() -> None:
+    """At interpreter exit: rank 0 waits for the last answer to be read; then the
+    store client and, on a normal exit, the default process group are let go
+    while the interpreter is whole. Left to its teardown, either aborted some
+    runs after the script had finished ("terminate called without an active
+    exception": the store client 1-2 runs in 8; gloo's worker threads still
+    holding the tensors of a finished collective, in a recipe's torchrun run).
+    SpeechBrain's recipes never destroy the group; PyTorch asks every script to,
+    at its end. Not after an uncaught exception: peers may still be in a collective."""
     channel = _default["channel"]
     if channel is not None:  # the process group may be gone by now; the store is not
         channel.wait_for_readers()
-    # Let the store client go now, not in interpreter teardown, where destroying it
-    # aborted 1-2 runs in 8 ("terminate called without an active exception").
     _default.update(channel=None, group=None)
+    if channel is not None and is_initialized() and not hasattr(sys, "last_value"):
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # leaving anyway: as if it had been left to teardown
+            logger.warning(f"ddp_eval: destroying the process group at exit failed: {error!r}")
 
 
 @contextmanager

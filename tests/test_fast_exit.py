@@ -51,3 +51,14 @@ def test_rank_0_exiting_at_once_after_evaluate_leaves_every_rank_exit_0(tmp_path
             if codes != [0, 0]:
                 failures.append(f"exit codes {codes}:\n" + "\n".join(outputs))
     assert not failures, f"{len(failures)} of {RUNS} runs failed; first:\n{failures[0]}"
+
+
+def test_the_exit_hook_destroys_the_process_group_on_a_normal_exit_only():
+    """Left to interpreter teardown, gloo's worker threads aborted a finished recipe run
+    (SIGABRT, "terminate called without an active exception"); ddp_eval's exit hook
+    destroys the group first, except after an uncaught exception (peers may still be in
+    a collective). Fresh processes: the hook ends their process group."""
+    from tests import workers
+    from tests.mp_harness import results, run_ranks
+
+    assert results(run_ranks(workers.exit_hook, 2, 1, timeout=60, fresh=True)) == [False, True]

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import sys
 import time
 
 import speechbrain as sb
@@ -374,3 +375,17 @@ def fail_together(rank, world_size, how):
         threading.Thread(target=threading.Event().wait, args=(60,), name="ddp_eval test: left running",
                          daemon=True).start()
     return os.getpid()
+
+
+def exit_hook(rank, world_size, uncaught_on):
+    """Runs ddp_eval's exit hook after an exchange, rank ``uncaught_on`` as if the
+    script had ended by an uncaught exception; whether the process group is still there."""
+    import torch.distributed
+
+    from ddp_eval import dist
+
+    dist.decide("the last exchange", lambda: rank)
+    if rank == uncaught_on:
+        sys.last_value = RuntimeError("uncaught")  # what the interpreter records before atexit runs
+    dist._settle_at_exit()
+    return torch.distributed.is_initialized()
