@@ -1,21 +1,17 @@
 """A job that ends right after evaluate() is reported as finished, whoever hosts the store."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests import workers
+from tests.mp_harness import _free_port, results, run_ranks
+
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = 4  # without the acknowledgement 6 of 6 runs failed, launched so (docs/never-hangs.md)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(ckpt_dir):
@@ -58,7 +54,4 @@ def test_the_exit_hook_destroys_the_process_group_on_a_normal_exit_only():
     (SIGABRT, "terminate called without an active exception"); ddp_eval's exit hook
     destroys the group first, except after an uncaught exception (peers may still be in
     a collective). Fresh processes: the hook ends their process group."""
-    from tests import workers
-    from tests.mp_harness import results, run_ranks
-
     assert results(run_ranks(workers.exit_hook, 2, 1, timeout=60, fresh=True)) == [False, True]

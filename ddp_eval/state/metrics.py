@@ -120,7 +120,7 @@ class MetricFinder:
                     ids.add(id(obj))
                     found[path] = obj
         self._seen = seen
-        return dict(sorted(found.items())) if len(found) > 1 else found
+        return dict(sorted(found.items()))
 
     def rescan(self, owner: Any) -> Dict[str, Any]:
         """:meth:`find` from nothing (containers were reordered or filled from outside)."""
@@ -213,17 +213,6 @@ def _fields(sub: Any, nested: Iterable[str] = None, skip: Iterable[str] = ()) ->
                 yield name, value
         elif is_number(value):
             yield name, value
-
-
-def _lists(sub: Any, skip: Iterable[str] = ()) -> Iterable[Tuple[str, list]]:
-    """The list fields of :func:`_fields`, in its order (what a batch may append to)."""
-    nested = sb_compat.nested_list_fields(sub)
-    for name, value in vars(sub).items():
-        if isinstance(value, list) and name not in skip:
-            if name in nested:
-                yield from ((f"{name}[{i}]", inner) for i, inner in enumerate(value))
-            else:
-                yield name, value
 
 
 def snapshot(objects: Mapping[str, Any], slotted: Mapping[str, Iterable[str]] = {}) -> Snapshot:
@@ -335,15 +324,16 @@ class MetricRecorder:
                             _merged_elsewhere(value) or isinstance(sub, MultiMetricStats)):
                         self.unmerged[(path, name)] = Fingerprint.of(value)
             grew = False
-            for name, value in _lists(sub, self.slotted.get(path, ())):
-                key = (path, name)
-                before = self._last.get(key, 0)
-                if len(value) < before:
-                    self.shrunk[f"{path}.{name}"] = f"entries were removed ({before} -> {len(value)})"
-                elif len(value) > before:
-                    self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
-                    self._last[key] = len(value)
-                    grew = True
+            for name, value in _fields(sub, skip=self.slotted.get(path, ())):
+                if isinstance(value, list):
+                    key = (path, name)
+                    before = self._last.get(key, 0)
+                    if len(value) < before:
+                        self.shrunk[f"{path}.{name}"] = f"entries were removed ({before} -> {len(value)})"
+                    elif len(value) > before:
+                        self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
+                        self._last[key] = len(value)
+                        grew = True
             if grew and path in self.start:  # existed at stage start, for the main-process-only check
                 self.changed_batches[path] = self.changed_batches.get(path, 0) + 1
 
