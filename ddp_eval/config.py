@@ -8,7 +8,7 @@ Example
 >>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
 Traceback (most recent call last):
 ...
-ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split, verify
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, fsdp, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split, verify
 """
 
 from dataclasses import dataclass, field, fields
@@ -84,6 +84,10 @@ class DDPEvalConfig:
         path), ``"every"`` (every VALID/TEST stage) or ``"strict"`` (as
         ``first``, and any difference is an error on every rank). Costs about
         one more one-process evaluation of each verified stage.
+    fsdp : FSDPOptions, optional
+        Shard the trainable modules with torch's FSDP (``fully_shard``) instead
+        of wrapping them in DDP under ``torchrun``: ``fsdp: true`` (defaults) or
+        a mapping of :class:`FSDPOptions` (default None: DDP, as SpeechBrain).
     """
 
     shard_valid: bool = True
@@ -101,6 +105,7 @@ class DDPEvalConfig:
     resume_eval_dir: Optional[str] = None
     stream_split: str = "batches"
     verify: str = "off"
+    fsdp: Optional["FSDPOptions"] = None
 
     @classmethod
     def from_hparams(cls, hparams: Optional[Mapping[str, Any]]) -> "DDPEvalConfig":
@@ -121,6 +126,7 @@ class DDPEvalConfig:
         section = dict(section)
         if section.get("verify") is False:  # YAML reads a bare `off` as false
             section["verify"] = "off"
+        section["fsdp"] = FSDPOptions.from_section(section.get("fsdp"))
         cfg = cls(**section)
         cfg._validate()
         return cfg
@@ -148,6 +154,75 @@ class DDPEvalConfig:
         check_choice("on_unmergeable_attribute", self.on_unmergeable_attribute, ("warn", "error"))
         check_choice("stream_split", self.stream_split, ("batches", "by_dataset"))
         check_choice("verify", self.verify, ("off", "first", "every", "strict"))
+
+
+MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """The ``fsdp:`` key of the ``ddp_eval:`` section (torch's ``fully_shard`` arguments).
+
+    Arguments
+    ---------
+    shard_modules : list of str
+        Class names of submodules sharded on their own (e.g. ``[TransformerEncoderLayer]``,
+        as ``transformer_layer_cls`` in other trainers); the rest of each trainable
+        module is sharded with the module itself (default: none on their own).
+    reshard_after_forward : bool
+        Free the gathered parameters after each training forward (default True:
+        least memory; False keeps them until the backward, as ZeRO-2).
+    mixed_precision : dict, optional
+        ``param_dtype``, ``reduce_dtype``, ``output_dtype``: names of torch dtypes
+        (``bfloat16``, ``float16``, ``float32``), as ``MixedPrecisionPolicy``.
+    cpu_offload : bool
+        Keep the sharded parameters, gradients and optimizer state in CPU memory
+        (``CPUOffloadPolicy``; default False).
+
+    Example
+    -------
+    >>> FSDPOptions.from_section(True)
+    FSDPOptions(shard_modules=(), reshard_after_forward=True, mixed_precision=None, cpu_offload=False)
+    >>> FSDPOptions.from_section({"shard_modules": ["Linear"]}).shard_modules
+    ('Linear',)
+    >>> FSDPOptions.from_section(None) is None
+    True
+    """
+
+    shard_modules: tuple = ()
+    reshard_after_forward: bool = True
+    mixed_precision: Optional[dict] = None
+    cpu_offload: bool = False
+
+    @classmethod
+    def from_section(cls, value: Any) -> Optional["FSDPOptions"]:
+        """``fsdp: null|false`` (off), ``true`` (defaults) or a mapping of options."""
+        if value is None or value is False or isinstance(value, cls):
+            return value or None
+        if value is True:
+            value = {}
+        _expect("fsdp", value, isinstance(value, Mapping), "true, false or a mapping of FSDP options")
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ConfigError(f"ddp_eval: unknown option(s) {unknown} under 'fsdp:'; allowed options: "
+                              f"{', '.join(allowed)}")
+        options = dict(value)
+        shard = options.get("shard_modules", [])
+        _expect("fsdp.shard_modules", shard, isinstance(shard, (list, tuple)) and all(
+            isinstance(n, str) for n in shard), "a list of module class names")
+        options["shard_modules"] = tuple(shard)
+        for name in ("reshard_after_forward", "cpu_offload"):
+            if name in options:
+                _expect(f"fsdp.{name}", options[name], isinstance(options[name], bool), "true or false")
+        precision = options.get("mixed_precision")
+        if precision is not None:
+            _expect("fsdp.mixed_precision", precision, isinstance(precision, Mapping) and set(precision) <= set(
+                MIXED_PRECISION_KEYS) and all(v in DTYPES for v in precision.values()),
+                f"a mapping of {', '.join(MIXED_PRECISION_KEYS)} to one of {', '.join(DTYPES)}")
+            options["mixed_precision"] = dict(precision)
+        return cls(**options)
 
 
 def _expect(name: str, value: Any, ok: bool, allowed: str) -> None:

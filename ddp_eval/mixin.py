@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from ddp_eval import dist
 from ddp_eval.checkpointing.checkpoint import writer_only_saves
 from ddp_eval.config import DDPEvalConfig
+from ddp_eval.dist import fsdp
 from ddp_eval.errors import ConfigError
 from ddp_eval.stage._consistency import check_states_agree, state_summaries
 from ddp_eval.stage._journal import JOURNAL_DIRNAME
@@ -71,6 +72,8 @@ class DDPEvalMixin:
         self._ddp_brain_attributes = frozenset(vars(self))
         hparams = vars(self.hparams) if hasattr(self, "hparams") else None
         self.ddp_eval_config = DDPEvalConfig.from_hparams(hparams)
+        if self.ddp_eval_config.fsdp is not None and fsdp.support_problem():
+            raise ConfigError(fsdp.support_problem())
         dist.set_timeout(self.ddp_eval_config.collective_timeout)
         self._ddp_loaders: Dict[Any, Any] = {}
         self._ddp_stage: Optional[ShardedStage] = None  # the sharded VALID/TEST stage under way
@@ -147,6 +150,17 @@ class DDPEvalMixin:
         """
         return self._ddp_stage.stage_output(path) if self._ddp_stage is not None else path
 
+    def _wrap_distributed(self) -> None:
+        """SpeechBrain wraps each trainable module in DDP; with ``fsdp:`` each is sharded
+        with torch's ``fully_shard`` instead (a module the recipe sharded is kept)."""
+        options = self.ddp_eval_config.fsdp
+        if options is None or not self.distributed_launch:
+            return super()._wrap_distributed()
+        for module in self.modules.values():
+            if any(p.requires_grad for p in module.parameters()) and not fsdp.is_sharded(module):
+                fsdp.shard_module(module, options.shard_modules, options.reshard_after_forward,
+                                  options.mixed_precision, options.cpu_offload)
+
     def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
         """Records the batch for the merge: the one per-batch hook of every Brain loop."""
         if self._ddp_stage is not None:
@@ -219,15 +233,17 @@ class DDPEvalMixin:
             def run_user_hook():
                 # Between two exchanges every rank passes: saves need no synchronisation
                 # of their own, so a save under `if if_main_process():` works as in SpeechBrain.
-                with writer_only_saves():
+                with writer_only_saves() as planned:  # saves of FSDP shards, run by every rank below
                     user_on_stage_end(stage, stage_loss, epoch)
-                return state_summaries(self, self._ddp_recoverables()) if check else None
+                return state_summaries(self, self._ddp_recoverables()) if check else None, planned
 
             per_rank = dist.decide(f"{stage.name} on_stage_end", run_user_hook)
+            if per_rank[0][1]:
+                self.checkpointer.save_planned(per_rank[0][1])
             if sharded is not None:
                 sharded.close()  # on_stage_end has finished on every rank
             if check:
-                check_states_agree(per_rank, stage.name)
+                check_states_agree([summaries for summaries, _ in per_rank], stage.name)
             self._ddp_stage = None
 
         on_stage_end.__doc__ = user_on_stage_end.__doc__

@@ -29,14 +29,16 @@ import logging
 import pathlib
 import sys
 import time
-from typing import Any, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+import torch
 from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval import dist, sb_compat
 from ddp_eval.checkpointing._async_save import BackgroundSaves
 from ddp_eval.checkpointing.commit import UNSUPPORTED_STORAGE_ACTIONS, CheckpointFolder
 from ddp_eval.config import check_choice
+from ddp_eval.dist import dcp, fsdp
 from ddp_eval.errors import CheckpointLoadError, CheckpointWriteError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,10 +46,11 @@ logger = logging.getLogger(__name__)
 STORAGE_MODES = ("shared", "node_local")
 _writer_only = contextvars.ContextVar("ddp_eval_writer_only_saves", default=False)
 _keep_only = contextvars.ContextVar("ddp_eval_keep_only", default=None)  # deletions after an async save
+_deferred = contextvars.ContextVar("ddp_eval_deferred_saves", default=None)  # sharded saves in writer_only_saves
 
 
 @contextlib.contextmanager
-def writer_only_saves() -> Iterator[None]:
+def writer_only_saves() -> Iterator[List[tuple]]:
     """In this block, saves and deletions of shared-storage Checkpointers run on
     the writer alone, without synchronisation points of their own; elsewhere
     each call synchronises every rank.
@@ -56,6 +59,11 @@ def writer_only_saves() -> Iterator[None]:
     which report a failure raised in it to every rank: the mixin opens it around
     ``on_stage_end``. Recipes may then save there under ``if if_main_process():``,
     as SpeechBrain's transformer recipes do, or on every rank.
+
+    A checkpoint with sharded recoverables (FSDP) needs every rank: on the
+    writer, such a save is planned here (named, its meta fixed) and yielded in
+    the list this block gives; the caller runs it on every rank after the block
+    (:meth:`Checkpointer.save_planned`).
 
     Example
     -------
@@ -66,10 +74,12 @@ def writer_only_saves() -> Iterator[None]:
     >>> ckpt.path.exists()
     True
     """
-    token = _writer_only.set(True)
+    token, planned = _writer_only.set(True), []
+    deferred = _deferred.set(planned)
     try:
-        yield
+        yield planned
     finally:
+        _deferred.reset(deferred)
         _writer_only.reset(token)
 
 class _Reads(sb_ckpt.Checkpointer):
@@ -154,11 +164,21 @@ class _Reads(sb_ckpt.Checkpointer):
         """SpeechBrain's load; a load that fails on one rank is raised on every
         rank, naming the checkpoint and the file."""
         def load():
+            # sharded recoverables, and any written sharded, load collectively through DCP at this world size
+            modules, hooks = self._modules(), dict(self.custom_load_hooks)
+            for name, obj in self.recoverables.items():
+                path = checkpoint.paramfiles.get(name)
+                if path is not None and name not in hooks and (
+                        fsdp.is_sharded(obj) or pathlib.Path(path).suffix == dcp.SUFFIX):
+                    hooks[name] = lambda obj, path, end_of_epoch: dcp.load(obj, path, modules)
+            own, self.custom_load_hooks = self.custom_load_hooks, hooks
             try:
                 sb_ckpt.Checkpointer.load_checkpoint(self, checkpoint)
             except Exception as exc:
                 name, file = sb_compat.failed_recoverable(sys.exc_info()[2])
                 raise CheckpointLoadError.naming(dist.get_rank(), checkpoint.path, exc, name, file) from exc
+            finally:
+                self.custom_load_hooks = own
             self.loaded = checkpoint.path.name  # named in evaluation journals
 
         dist.decide("checkpoint load", load, self.timeout)
@@ -270,7 +290,15 @@ class Checkpointer(_Reads):
                 return None
             self._raise_failure()
             dirname, full_meta = self._plan(meta, end_of_epoch, name)
+            if self._sharded():  # written by every rank once the block is left (writer_only_saves)
+                _deferred.get().append((str(self.checkpoints_dir), dirname, full_meta, end_of_epoch, keep_only,
+                                        verbosity))
+                return self._checkpoint(dirname, full_meta)
             return self._checkpoint(dirname, self._write(dirname, full_meta, end_of_epoch, keep_only, verbosity))
+        if self._sharded():
+            dirname, full_meta = dist.decide("checkpoint save: plan", lambda: self._plan(
+                meta, end_of_epoch, name) if dist.get_rank() == 0 else None, self.timeout)[0]
+            return self._checkpoint(dirname, self._save_sharded(dirname, full_meta, end_of_epoch, None, verbosity))
 
         def begin():  # rank 0 names the checkpoint; a writer's failed background save stops it
             self._raise_failure()
@@ -297,13 +325,73 @@ class Checkpointer(_Reads):
         selection = dict(num_to_keep=num_to_keep, max_keys=max_keys, min_keys=min_keys,
                          importance_keys=keys, ckpt_predicate=ckpt_predicate, verbosity=verbosity)
         # Through save_checkpoint, as SpeechBrain does (subclasses and wrappers see the call).
-        token = _keep_only.set(selection if self.async_save else None)
+        later = self.async_save or (self._writer_alone() and bool(self._sharded()))  # after the commit
+        token = _keep_only.set(selection if later else None)
         try:
             self.save_checkpoint(meta=meta, end_of_epoch=end_of_epoch, name=name, verbosity=verbosity)
         finally:
             _keep_only.reset(token)
-        if not self.async_save:
+        if not later:
             self.delete_checkpoints(**selection)
+
+    def _sharded(self) -> Dict[str, Any]:
+        """Recoverables that only every rank together holds (FSDP modules, their optimizers)."""
+        return {n: obj for n, obj in self.recoverables.items() if fsdp.is_sharded(obj)}
+
+    def _modules(self) -> Dict[str, torch.nn.Module]:
+        """The module recoverables by name: an optimizer's state is keyed by their parameters' names."""
+        return {n: obj for n, obj in self.recoverables.items() if isinstance(obj, torch.nn.Module)}
+
+    def save_planned(self, planned: List[tuple]) -> None:
+        """Every rank: writes the sharded saves the writer planned in :func:`writer_only_saves`."""
+        for folder, dirname, meta, end_of_epoch, keep_only, verbosity in planned:
+            if folder != str(self.checkpoints_dir):
+                raise CheckpointWriteError(
+                    f"ddp_eval: a sharded save of {folder} was planned in on_stage_end, but the Brain's checkpointer "
+                    f"writes {self.checkpoints_dir}. Save another Checkpointer with sharded recoverables on every "
+                    "rank, outside on_stage_end.")
+            self._save_sharded(dirname, meta, end_of_epoch, keep_only, verbosity)
+
+    def _save_sharded(self, dirname, meta, end_of_epoch, keep_only, verbosity) -> dict:
+        """Every rank: a checkpoint whose sharded recoverables every rank writes its
+        shard of (DCP), inside the writer's atomic commit. Returns the meta written."""
+        sharded, path = self._sharded(), self.checkpoints_dir / dirname
+
+        def begin():
+            self._raise_failure()
+            if self.storage != "shared":
+                raise ConfigError(f"ddp_eval: sharded recoverables {sorted(sharded)} (FSDP) need storage: shared, "
+                                  f"got {self.storage!r}: every rank writes its shard into one directory.")
+            return str(self.folder.begin(dirname)) if self._is_writer() else None
+
+        work = pathlib.Path(dist.decide("checkpoint save: shards", begin, self.timeout)[0])
+        failure: Optional[BaseException] = None
+        try:
+            for name in sorted(sharded):  # the same order on every rank: each save is a collective
+                dcp.save(sharded[name], work / f"{name}{dcp.SUFFIX}", self._modules())
+        except Exception as exc:  # DCP raises a failure of any rank on every rank
+            failure = exc
+
+        def commit():
+            if failure is not None:
+                if self._is_writer():
+                    self.folder.abort(work)
+                raise _write_failed(path, failure, "its shards of ") from failure
+            if not self._is_writer():
+                return None
+            try:
+                sb_compat.call_save_hooks(self, work, [n for n in self.recoverables if n not in sharded])
+                written = self.folder.commit(work, dirname, meta)
+            except BaseException as exc:
+                self.folder.abort(work)
+                raise _write_failed(path, exc) from exc
+            kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
+            logger.log(verbosity, f"Saved an {kind} checkpoint in {path} ({len(sharded)} sharded recoverable(s))")
+            if keep_only is not None:
+                self._delete_here(**keep_only)
+            return written
+
+        return dist.decide("checkpoint save: commit", commit, self.timeout)[0]
 
     def _plan(self, meta, end_of_epoch, name) -> Tuple[str, dict]:
         """``(directory name, meta)`` of a new checkpoint (chosen on rank 0)."""
@@ -325,14 +413,14 @@ class Checkpointer(_Reads):
                 return meta
             meta = self.folder.write(dirname, meta, lambda work: sb_compat.call_save_hooks(self, work))
         except BaseException as exc:
-            raise CheckpointWriteError(f"ddp_eval: rank {dist.get_rank()} could not write checkpoint {path}: "
-                                       f"{type(exc).__name__}: {exc}. The previous checkpoints are intact.") from exc
+            raise _write_failed(path, exc) from exc
         logger.log(verbosity, f"Saved an {kind} checkpoint in {path}")
         return meta
 
     def _checkpoint(self, dirname: str, meta: dict) -> sb_ckpt.Checkpoint:
-        path = self.checkpoints_dir / dirname
-        return sb_ckpt.Checkpoint(path, meta, {n: path / f"{n}{sb_ckpt.PARAMFILE_EXT}" for n in self.recoverables})
+        path, sharded = self.checkpoints_dir / dirname, self._sharded()
+        return sb_ckpt.Checkpoint(path, meta, {n: path / f"{n}{dcp.SUFFIX if n in sharded else sb_ckpt.PARAMFILE_EXT}"
+                                               for n in self.recoverables})
 
     def _writer_alone(self) -> bool:
         """Inside :func:`writer_only_saves`, with one shared copy: saves and
@@ -378,6 +466,13 @@ class Checkpointer(_Reads):
                                        f"{self.checkpoints_dir}: {type(exc).__name__}: {exc}") from exc
 
 
+def _write_failed(path: pathlib.Path, exc: BaseException, what: str = "") -> CheckpointWriteError:
+    return CheckpointWriteError(f"ddp_eval: rank {dist.get_rank()} could not write {what}checkpoint {path}: "
+                                f"{type(exc).__name__}: {exc}. The previous checkpoints are intact.")
+
+
 def _on_disk(path: pathlib.Path, meta: dict) -> sb_ckpt.Checkpoint:
-    """The Checkpoint of a complete checkpoint directory, with the files it holds."""
-    return sb_ckpt.Checkpoint(path, meta, {f.stem: f for f in path.iterdir() if f.suffix == sb_ckpt.PARAMFILE_EXT})
+    """The Checkpoint of a complete checkpoint directory, with the files it holds
+    (a sharded recoverable's DCP folder, ``<name>.dcp``, stands for its file)."""
+    return sb_ckpt.Checkpoint(path, meta, {f.stem: f for f in path.iterdir()
+                                           if f.suffix in (sb_ckpt.PARAMFILE_EXT, dcp.SUFFIX)})

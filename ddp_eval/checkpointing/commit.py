@@ -244,13 +244,16 @@ class CheckpointFolder:
         """
         try:
             files = {}
-            for file in sorted(work.iterdir()):
+            for file in sorted(work.rglob("*")):  # a sharded recoverable is a folder of shards (<name>.dcp/)
+                name = file.relative_to(work).as_posix()
                 if file.is_file():
-                    files[file.name] = {"size": file.stat().st_size}
+                    files[name] = {"size": file.stat().st_size}
                     if self.checksums:
-                        files[file.name]["sha256"] = file_digest(file)
+                        files[name]["sha256"] = file_digest(file)
                     if self.fsync:
                         _fsync_file(file)
+                elif self.fsync:
+                    _fsync_dir(file)
             meta = {**meta, MANIFEST_KEY: files}
             with open(work / sb_ckpt.METAFNAME, "w", encoding="utf-8") as f:
                 f.write("# yamllint disable\n")

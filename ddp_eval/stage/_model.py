@@ -36,6 +36,7 @@ Example
 True
 """
 
+import ctypes
 import hashlib
 import zlib
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -67,8 +68,14 @@ def model_modules(brain: Any) -> List[Tuple[str, torch.nn.Module]]:
 
 
 def tensor_crc(tensor: torch.Tensor) -> int:
-    """The crc32 of a tensor's bytes (a device tensor is copied to the CPU)."""
-    return zlib.crc32(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
+    """The crc32 of a tensor's bytes (a device tensor is copied to the CPU).
+
+    Read through its address, not ``.numpy()``: a NumPy view makes the storage
+    unresizable, and FSDP frees a gathered parameter by resizing its storage.
+    """
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    nbytes = flat.numel() * flat.element_size()
+    return zlib.crc32((ctypes.c_char * nbytes).from_address(flat.data_ptr())) if nbytes else 0
 
 
 def _keeps_statistics_as_attributes(module: torch.nn.Module) -> bool:

@@ -31,9 +31,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_eval import dist, sb_compat
+from ddp_eval.dist import fsdp
 from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
-from ddp_eval.stage._model import ddp_wrapped, module_states
+from ddp_eval.stage._model import ddp_wrapped, model_modules, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
@@ -41,6 +42,7 @@ from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_
 from ddp_eval.state._explain import Fingerprint
 from ddp_eval.state._order import in_global_order
 from ddp_eval.state._outside import changed_outside, outside_markers
+from ddp_eval.state._values import is_training_machinery
 from ddp_eval.state.attribute_merge import last_candidates
 from ddp_eval.state.bookkeeping import StageBook, merge_stage
 
@@ -91,12 +93,17 @@ class ShardedStage:
         self.loss_sum, self.loss_count = 0.0, 0
         self.verifier: Optional[StageVerifier] = None  # verify: the one-process reference of this stage
         self.scratch: Optional[str] = None  # where stage_output files go during the reference pass
+        self.gathered: list = []  # FSDP modules whose full parameters this stage holds
 
     # -- start -------------------------------------------------------------------
 
     def start(self) -> None:
         """Collective: plan, recorders, the stage-start exchange, DDP buffers."""
         cfg, brain = self.config, self.brain
+        sharded = fsdp.fsdp_modules(m for _, m in model_modules(brain))
+        if sharded:  # FSDP: full parameters for the whole stage, so that its forwards wait for no other rank
+            dist.decide(f"{self.stage.name} FSDP parameters gather")
+            self.gathered = fsdp.gather_parameters(sharded)
         verified = brain.__dict__.setdefault("_ddp_verified", set())
         if wants_verification(cfg.verify, self.stage.name, verified) and not is_stream(self.loader):
             self.verifier = StageVerifier(brain, self._recipe_attributes())  # before probes and factories
@@ -145,7 +152,7 @@ class ShardedStage:
         names = set(vars(brain)) - brain._ddp_brain_attributes - {"on_stage_start", "on_stage_end", "ddp_eval_config"}
         names -= set(cfg.attributes_exclude) | set(cfg.metrics_exclude)
         recoverables = {id(v) for v in self._recoverables().values()}
-        return sorted(n for n in names if not n.startswith("_ddp") and not _training_machinery(getattr(brain, n))
+        return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n))
                       and id(getattr(brain, n)) not in recoverables)
 
     def _recoverables(self) -> Dict[str, Any]:
@@ -192,9 +199,17 @@ class ShardedStage:
         else:
             with _gc_paused():  # the merge makes and drops many small objects: no full collection in between
                 loss = self._merge_all(local_loss)
-        if self.verifier is not None:
-            self._verify(loss)
+        try:
+            if self.verifier is not None:
+                self._verify(loss)
+        finally:
+            self._release_parameters()
         return loss
+
+    def _release_parameters(self) -> None:
+        """FSDP modules sharded again (local), before on_stage_end (a save reads shards)."""
+        gathered, self.gathered = self.gathered, []
+        fsdp.release_parameters(gathered)
 
     def _verify(self, loss: float) -> None:
         """verify: every rank evaluates the whole stage as one process would, from
@@ -293,6 +308,7 @@ class ShardedStage:
         """The stage ended by an exception: the user's objects get back their plain
         numbers and factories, and this rank's part files are removed."""
         self._stop_batches()
+        self._release_parameters()
         if self.book is not None:
             self.book.release()
         self.outputs.remove_parts()
@@ -313,14 +329,6 @@ def recipe_globals(brain: Any) -> Dict[str, int]:
             continue
         found[f"global {name}"] = Fingerprint.of(value, depth=2).digest
     return found
-
-
-def _training_machinery(value: Any) -> bool:
-    """Optimizers, modules, schedulers: what training owns, not what a stage accumulates."""
-    if isinstance(value, (torch.optim.Optimizer, torch.nn.Module)):
-        return True
-    return type(value).__module__.startswith(("torch.optim", "speechbrain.nnet.schedulers", "torch.cuda.amp",
-                                              "torch.amp"))
 
 
 def report_verification(stage: str, per_rank: List[Tuple[int, list, dict, dict]], strict: bool) -> None:

@@ -38,6 +38,7 @@ MAX_DEPTH = 4  # containers deeper than this are compared by identity and length
 SMALL_TENSOR = 64  # elements; a smaller tensor is also compared by value
 LARGE = 256  # entries; in a larger container, entries that are containers count by identity and length
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
@@ -48,7 +49,8 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         return (kind.__name__ if kind in _SCALARS else "num", value if value == value else "nan")
     if isinstance(value, torch.Tensor):
         held.append(value)
-        small = value.numel() <= SMALL_TENSOR and value.device.type == "cpu"
+        # a tensor subclass (an FSDP DTensor) holds a shard only: by identity and version
+        small = value.numel() <= SMALL_TENSOR and value.device.type == "cpu" and type(value) in _PLAIN_TENSORS
         return ("tensor", id(value), value._version, tuple(value.shape),
                 tuple(value.detach().reshape(-1).tolist()) if small else None)
     if is_array(value):

@@ -33,6 +33,24 @@ class _Sentinel:
         return self.name
 
 
+def is_training_machinery(value: Any) -> bool:
+    """Optimizers, modules, schedulers (and SpeechBrain's ``optimizers_dict`` of
+    optimizers): what training owns, not what a stage accumulates.
+
+    Example
+    -------
+    >>> model = torch.nn.Linear(1, 1)
+    >>> is_training_machinery({"opt_class": torch.optim.SGD(model.parameters(), lr=1.0)}), is_training_machinery([])
+    (True, False)
+    """
+    if isinstance(value, dict) and value:
+        return all(is_training_machinery(v) for v in value.values())
+    if isinstance(value, (torch.optim.Optimizer, torch.nn.Module)):
+        return True
+    return type(value).__module__.startswith(("torch.optim", "speechbrain.nnet.schedulers", "torch.cuda.amp",
+                                              "torch.amp"))
+
+
 ABSENT = _Sentinel("ABSENT", "absent")  # an attribute or entry that does not exist
 ELSEWHERE = _Sentinel("ELSEWHERE", "sent by the rank whose value won")
 SMALL_DICT = 64  # entries; a larger dict is watched by its new keys only

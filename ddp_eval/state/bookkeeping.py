@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 from ddp_eval.state._attributes import AttributeTracker, resolve
 from ddp_eval.state._metric_layout import complete, describe
-from ddp_eval.state._values import ELSEWHERE
+from ddp_eval.state._values import ELSEWHERE, is_training_machinery
 from ddp_eval.state.attribute_merge import MergeResult, last_candidates, last_writer, merge_attribute_states
 from ddp_eval.state.metric_merge import merge_metric_stats
 from ddp_eval.state.metrics import MetricFinder, MetricRecorder, apply_merged
@@ -129,7 +129,7 @@ class StageBook:
         plain = [n for n in cfg.attributes_include or () if "." not in n]
         if plain:  # names without a dot restrict the Brain's attributes; paths only add
             names &= set(plain)
-        return sorted(n for n in names if not n.startswith("_ddp"))
+        return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n)))
 
     def start(self) -> None:
         """Right before the first batch: numbers and tensors get their probes."""

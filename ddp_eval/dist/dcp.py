@@ -1,0 +1,121 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): every rank
+writes its own shard of a sharded module or optimizer, and any number of ranks
+(one process included) reads them back, resharded.
+
+One recoverable is one DCP folder, ``<name>.dcp`` inside the checkpoint's
+directory. :class:`ddp_eval.Checkpointer` decides where and when (inside its
+atomic commit: the shards are written into the hidden work directory, the
+manifest of every file and ``CKPT.yaml`` come last); this module only moves
+state between objects and folders:
+
+* :func:`save` (collective with a process group): the state of a module
+  (``get_model_state_dict``, DTensor shards under FSDP) or of an optimizer
+  (``get_optimizer_state_dict``, keyed by parameter names, which do not depend
+  on the world size);
+* :func:`load` (collective with a process group): into a sharded module or
+  optimizer at any world size, or into plain ones (DDP, one process); a plain
+  ``.ckpt`` file SpeechBrain or DDP wrote loads into a sharded module too;
+* :func:`load_full_state_dict` (local): one process reads a DCP folder as one
+  full state dict, e.g. as ``parameter_loader`` of SpeechBrain's
+  ``average_checkpoints``.
+
+Example
+-------
+>>> import torch
+>>> folder = getfixture("tmp_path") / "model.dcp"
+>>> model = torch.nn.Linear(2, 1)
+>>> save(model, folder, {"model": model})
+>>> copy = torch.nn.Linear(2, 1)
+>>> load(copy, folder, {"model": copy})
+>>> torch.equal(copy.weight, model.weight)
+True
+>>> sorted(load_full_state_dict(folder))
+['bias', 'weight']
+"""
+
+import pathlib
+from typing import Any, Dict, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+SUFFIX = ".dcp"
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _owner(modules: Mapping[str, torch.nn.Module]) -> torch.nn.Module:
+    """The modules an optimizer's parameters belong to, under their recoverable names
+    (the optimizer's state is keyed by ``<name>.<parameter>``)."""
+    return torch.nn.ModuleDict(dict(modules))
+
+
+def state_of(obj: Any, modules: Mapping[str, torch.nn.Module]) -> Dict[str, Any]:
+    """The state DCP writes of ``obj``: sharded where ``obj`` is, full elsewhere."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return get_optimizer_state_dict(_owner(modules), obj)
+    return get_model_state_dict(obj)
+
+
+def save(obj: Any, folder: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -> None:
+    """Writes ``obj``'s state into ``folder`` (every rank its shard; collective)."""
+    dcp.save(state_of(obj, modules), checkpoint_id=str(folder), no_dist=_no_dist())
+
+
+def load(obj: Any, path: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -> None:
+    """Loads ``path`` into ``obj`` (collective with a process group): a DCP folder
+    at any world size, or a plain ``torch.save`` file of a full state dict."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        state = state_of(obj, modules)
+        dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+    else:  # a full state dict from SpeechBrain's or DDP's checkpoint: every rank keeps its part
+        state = torch.load(path, map_location="cpu")
+        full = StateDictOptions(full_state_dict=True)
+        if isinstance(obj, torch.optim.Optimizer):
+            set_optimizer_state_dict(_owner(modules), obj, _by_names(state, obj, modules), options=full)
+        else:
+            set_model_state_dict(obj, state, options=full)
+        return
+    if isinstance(obj, torch.optim.Optimizer):
+        set_optimizer_state_dict(_owner(modules), obj, state)
+    else:
+        set_model_state_dict(obj, state)
+
+
+def _by_names(state: Dict[str, Any], optimizer: torch.optim.Optimizer,
+              modules: Mapping[str, torch.nn.Module]) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` as torch writes it (parameters by position) keyed by
+    parameter names instead, as ``set_optimizer_state_dict`` reads a full one."""
+    names = {id(p): n for n, p in _owner(modules).named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    positions = [i for group in state["param_groups"] for i in group["params"]]
+    rename = dict(zip(positions, order))
+    return {"state": {rename[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [rename[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def load_full_state_dict(path: Any) -> Dict[str, Any]:
+    """The whole state a DCP folder holds, read by this process alone (no collective),
+    one tensor at a time into one full state dict; a plain file is ``torch.load``-ed."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        return torch.load(path, map_location="cpu")
+    # What torch's dcp_to_torch_save does, kept in memory (torch 2.4-2.14: private names).
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: Dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state

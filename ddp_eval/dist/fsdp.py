@@ -1,0 +1,157 @@
+"""FSDP (torch's ``fully_shard``): sharding a Brain's modules, gathering their
+parameters for a sharded evaluation, and telling sharded state from plain.
+
+* :func:`shard_module`: ``fully_shard`` on the submodules of the classes named
+  in ``fsdp: shard_modules`` (innermost first), then on the module itself.
+* :func:`gather_parameters` / :func:`release_parameters`: around a sharded
+  VALID/TEST stage. Every forward of a sharded module all-gathers its
+  parameters from every rank, so ranks with different numbers of batches (or a
+  decoder that makes a data-dependent number of forward calls) would wait for
+  each other forever. At stage start, right after an exchange every rank
+  passed, each sharded module is unsharded once (its all-gather, in the same
+  order on every rank) and told not to reshard after forward; the stage's
+  forwards then issue no collective at all, and the release (local) frees the
+  full parameters and restores the module's setting. Cost: one full copy of
+  the sharded modules' parameters per rank for the length of the stage.
+* :func:`is_sharded`: a module with ``DTensor`` parameters, or an optimizer over
+  them: state that only all ranks together hold, saved by
+  :mod:`ddp_eval.dist.dcp`.
+
+Without FSDP in this torch (:func:`support_problem`), ``fsdp:`` fails at start-up.
+
+Example
+-------
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+>>> is_sharded(model), is_sharded(torch.optim.SGD(model.parameters(), lr=0.1))
+(False, False)
+>>> release_parameters(gather_parameters([model]))  # nothing sharded: nothing to do
+"""
+
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+try:  # torch >= 2.6: public; 2.4-2.5: the composable API
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - depends on the torch release
+    try:
+        from torch.distributed._composable.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+    except ImportError:
+        fully_shard = FSDPModule = MixedPrecisionPolicy = CPUOffloadPolicy = None
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch < 2.5
+    from torch.distributed._tensor import DTensor
+
+# The oldest torch release whose fully_shard trains, evaluates and saves on CPU
+# with gloo as the tests here do (docs/versions.md).
+MIN_TORCH = (2, 6)
+
+
+def _release(version: str) -> Tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def support_problem(version: Optional[str] = None) -> Optional[str]:
+    """Why ``fsdp:`` cannot work with this torch (or ``version``), or None.
+
+    Example
+    -------
+    >>> support_problem("2.4.1").split(" (")[0]
+    'ddp_eval: fsdp needs torch >= 2.6'
+    >>> support_problem("2.14.1") is None
+    True
+    """
+    version = version or torch.__version__
+    if fully_shard is None or _release(version) < MIN_TORCH:
+        return (f"ddp_eval: fsdp needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (FSDP2 fully_shard on CPU and GPU, "
+                f"and its sharded checkpoints), got torch {version}. Upgrade torch, or remove the 'fsdp:' key "
+                "from the ddp_eval: section to train with DDP.")
+    return None
+
+
+def shard_module(module: torch.nn.Module, shard_modules: Sequence[str], reshard_after_forward: bool = True,
+                 mixed_precision: Optional[dict] = None, cpu_offload: bool = False) -> torch.nn.Module:
+    """Shards ``module`` in place with ``fully_shard``: each submodule whose class
+    name is in ``shard_modules`` on its own (innermost first), then the rest with
+    the module itself. Returns the module (now also an ``FSDPModule``)."""
+    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            **{key: getattr(torch, dtype) for key, dtype in mixed_precision.items()})
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    wanted = set(shard_modules)
+    inner = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
+    for sub in reversed(inner):  # modules() is parents first: children are sharded before their parents
+        fully_shard(sub, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def _params(obj: Any) -> Iterable[Any]:
+    if isinstance(obj, torch.nn.Module):
+        return obj.parameters()
+    if isinstance(obj, torch.optim.Optimizer):
+        return (p for group in obj.param_groups for p in group["params"])
+    return ()
+
+
+def is_sharded(obj: Any) -> bool:
+    """Whether ``obj`` is a module or an optimizer with ``DTensor`` parameters."""
+    return any(isinstance(p, DTensor) for p in _params(obj))
+
+
+def fsdp_modules(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Every ``FSDPModule`` in ``modules`` (and below), each once, parents first."""
+    found, seen = [], set()
+    for module in modules:
+        for sub in module.modules() if FSDPModule is not None else ():
+            if isinstance(sub, FSDPModule) and id(sub) not in seen:
+                seen.add(id(sub))
+                found.append(sub)
+    return found
+
+
+def _setting(module: Any) -> Tuple[bool, List[Any]]:
+    """What ``set_reshard_after_forward`` changes, to put back as it was (torch 2.6-2.14)."""
+    state = module._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore(module: Any, setting: Tuple[bool, List[Any]]) -> None:
+    state = module._get_fsdp_state()
+    state._auto_reshard_after_forward = setting[0]
+    for group, info in zip(state._fsdp_param_groups, setting[1]):
+        group.post_forward_mesh_info = info
+
+
+def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tuple[bool, List[Any]]]]:
+    """Collective (call it on every rank, right after an exchange): unshards every
+    FSDP module in ``modules`` and keeps it unsharded across forwards; returns what
+    :func:`release_parameters` needs. A no-op without FSDP modules."""
+    gathered = []
+    try:
+        for module in fsdp_modules(modules):
+            gathered.append((module, _setting(module)))
+            module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
+    except BaseException:
+        release_parameters(gathered)
+        raise
+    return gathered
+
+
+def release_parameters(gathered: Sequence[Tuple[Any, Tuple[bool, List[Any]]]]) -> None:
+    """Local: frees the full parameters :func:`gather_parameters` made and restores
+    each module's reshard-after-forward setting."""
+    for module, setting in reversed(gathered):
+        module.reshard()
+        _restore(module, setting)
