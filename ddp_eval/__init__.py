@@ -7,6 +7,9 @@ DDPEvalMixin
 Checkpointer
     Drop-in ``speechbrain.utils.checkpoints.Checkpointer``: atomic, rank-0 writes,
     optionally non-blocking (``async_save``).
+load_full_state_dict
+    One process reads a sharded (FSDP) recoverable's DCP folder, or a plain file,
+    as one full state dict (e.g. ``average_checkpoints(..., parameter_loader=...)``).
 CheckpointFolder, inspect_checkpoint_dir
     The single-process commit protocol of a checkpoints folder; what resume accepts.
 DDPEvalConfig
@@ -27,6 +30,7 @@ from ddp_eval.checkpointing.checkpoint import Checkpointer
 from ddp_eval.checkpointing.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.dist import ControlChannel, warn_shared_store_restarts
+from ddp_eval.dist.dcp import load_full_state_dict
 from ddp_eval.errors import (
     BatchPlanError,
     CheckpointLoadError,
@@ -51,6 +55,7 @@ __version__ = "0.4.2"
 __all__ = [
     "DDPEvalMixin",
     "Checkpointer",
+    "load_full_state_dict",
     "CheckpointFolder",
     "DDPEvalConfig",
     "ShardedBatchSampler",

@@ -161,7 +161,7 @@ class DDPToyBrain(ddp_eval.DDPEvalMixin, ToyBrain):
 
 
 def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, ddp_eval_opts=None,
-          batchnorm=False, epochs=2):
+          batchnorm=False, epochs=2, optimizer=torch.optim.SGD):
     model = make_model(batchnorm)
     counter = sb.utils.epoch_loop.EpochCounter(epochs)
     scheduler = sb.nnet.schedulers.NewBobScheduler(initial_value=1.0, improvement_threshold=10.0)
@@ -170,7 +170,7 @@ def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, d
         "model": model, "counter": counter, "scheduler": scheduler, "probe": probe})
     hparams = {"scheduler": scheduler, "counter": counter, "probe": probe,
                "ddp_eval": with_seen_excluded(ddp_eval_opts)}
-    brain = brain_cls(modules={"model": model}, opt_class=lambda p: torch.optim.SGD(p, lr=lr),
+    brain = brain_cls(modules={"model": model}, opt_class=lambda p: optimizer(p, lr=lr),
                       hparams=hparams, run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo"},
                       checkpointer=checkpointer)
     brain.log = []

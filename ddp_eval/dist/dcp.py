@@ -105,12 +105,13 @@ def _by_names(state: Dict[str, Any], optimizer: torch.optim.Optimizer,
             "param_groups": [{**g, "params": [rename[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
-def load_full_state_dict(path: Any) -> Dict[str, Any]:
-    """The whole state a DCP folder holds, read by this process alone (no collective),
-    one tensor at a time into one full state dict; a plain file is ``torch.load``-ed."""
+def load_full_state_dict(path: Any, map_location: Any = "cpu") -> Dict[str, Any]:
+    """The whole state a DCP folder holds, read by this process alone (no collective)
+    into one full state dict on the CPU, moved to ``map_location`` (as ``torch.load``'s);
+    a plain file is ``torch.load``-ed."""
     path = pathlib.Path(path)
     if not path.is_dir():
-        return torch.load(path, map_location="cpu")
+        return torch.load(path, map_location=map_location)
     # What torch's dcp_to_torch_save does, kept in memory (torch 2.4-2.14: private names).
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -118,4 +119,6 @@ def load_full_state_dict(path: Any) -> Dict[str, Any]:
     state: Dict[str, Any] = {}
     _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
-    return state
+    if map_location in (None, "cpu", torch.device("cpu")):
+        return state
+    return {k: v.to(map_location) if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -1,0 +1,86 @@
+"""Functions run on every rank of a real gloo group by the FSDP tests (see mp_harness)."""
+
+import functools
+import os
+
+import speechbrain as sb
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+import ddp_eval
+from ddp_eval.dist import fsdp
+from tests import toy
+
+SHARD_LINEARS = {"fsdp": {"shard_modules": ["Linear"]}}
+
+
+class DecoderBrain(toy.ToyBrain):
+    """A decoder whose number of forward calls depends on the data (as a beam search's
+    number of steps does): under a sharded FSDP stage, ranks make different numbers
+    of forward calls per batch and have different numbers of batches."""
+
+    def compute_forward(self, batch, stage):
+        logits = super().compute_forward(batch, stage)
+        steps = 1 + int(batch.label.data.sum()) % 3 if stage != sb.Stage.TRAIN else 0
+        for _ in range(steps):
+            x, lens = batch.x
+            logits = logits + 0.1 * self.modules.model(x[:, 0] * lens[:, None])
+        return logits
+
+
+class DDPDecoderBrain(ddp_eval.DDPEvalMixin, DecoderBrain):
+    """The decoder recipe converted."""
+
+
+def full_state(brain):
+    """The model's and optimizer's full state (every rank gathers; collective under FSDP)."""
+    model, full = brain.modules.model, StateDictOptions(full_state_dict=True)
+    model_state = get_model_state_dict(model, options=full)
+    optimizer = get_optimizer_state_dict(torch.nn.ModuleDict({"model": model}), brain.optimizer, options=full)
+    return {"model": model_state, "optimizer": optimizer["state"]}
+
+
+def recipe(rank, world_size, ckpt_dir, opts=SHARD_LINEARS, brain_cls=toy.DDPToyBrain, lr=0.0, async_save=False):
+    """The toy recipe (fit, then four evaluations) under FSDP; what on_stage_end saw."""
+    checkpointer_cls = functools.partial(ddp_eval.Checkpointer, async_save=async_save)
+    brain = toy.build(brain_cls, ckpt_dir, ddp_eval_opts=opts, lr=lr, checkpointer_cls=checkpointer_cls)
+    out = toy.run_recipe(brain)
+    out["sharded"] = (fsdp.is_sharded(brain.modules.model), fsdp.is_sharded(brain.optimizer))
+    out["ckpt_files"] = sorted(os.listdir(ckpt_dir))
+    return out
+
+
+def train_steps(rank, world_size, ckpt_dir, opts, epochs=3):
+    """Training only (Adam, lr 0.05): every step's loss, then the final full state."""
+    class Recording(toy.DDPToyBrain):
+        def fit_batch(self, batch):
+            loss = super().fit_batch(batch)
+            self.steps.append(float(loss))
+            return loss
+
+    brain = toy.build(Recording, ckpt_dir, ddp_eval_opts=opts, lr=0.05, epochs=epochs, optimizer=torch.optim.Adam)
+    brain.steps = []
+    brain.fit(brain.hparams.counter, toy.make_dataset(24, 0), toy.make_dataset(11, 1),
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    valid = [r["loss"] for r in brain.log if r["stage"] == "VALID"]
+    return {"steps": brain.steps, "valid": valid, "state": full_state(brain)}
+
+
+def resume(rank, world_size, ckpt_dir, opts):
+    """Builds the recipe at this world size (FSDP or DDP by ``opts``), recovers the
+    latest checkpoint as fit() would, and returns the full state and epoch."""
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=opts, lr=0.05, optimizer=torch.optim.Adam)
+    brain.on_fit_start()  # wraps (FSDP or DDP), makes the optimizer, recovers
+    return {"state": full_state(brain), "epoch": brain.hparams.counter.current,
+            "sharded": fsdp.is_sharded(brain.modules.model), "loaded": brain.checkpointer.loaded}
+
+
+def fail_in_forward(rank, world_size, ckpt_dir, bad_rank):
+    """An exception inside a forward on one rank during a sharded FSDP TEST."""
+    class Failing(toy.DDPToyBrain):
+        def compute_forward(self, batch, stage):
+            if stage == sb.Stage.TEST and rank == bad_rank:
+                raise RuntimeError("bad utterance on purpose")
+            return super().compute_forward(batch, stage)
+
+    toy.run_recipe(toy.build(Failing, ckpt_dir, ddp_eval_opts=SHARD_LINEARS))

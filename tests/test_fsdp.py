@@ -1,0 +1,152 @@
+"""FSDP (``ddp_eval: {fsdp: ...}``) on real gloo groups: training equals DDP,
+sharded evaluation equals one process, sharded checkpoints load at any world size."""
+
+import math
+import time
+from collections import Counter
+
+import pytest
+import speechbrain as sb
+import torch
+
+import ddp_eval
+from ddp_eval.dist import fsdp
+from tests import fsdp_workers, toy
+from tests.mp_harness import results, run_ranks
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(fsdp.support_problem() is not None, reason=str(fsdp.support_problem()))]
+
+
+def _same_records(dist_log, single_log):
+    assert [r["stage"] for r in dist_log] == [r["stage"] for r in single_log]
+    for d, s in zip(dist_log, single_log):
+        if d["stage"] == "TRAIN":
+            continue
+        assert math.isclose(d["loss"], s["loss"], rel_tol=1e-6), (d["stage"], d["loss"], s["loss"])
+        # summaries, write_stats text and utterance order: bit for bit
+        assert repr(d["metrics"]) == repr(s["metrics"])
+
+
+def _single_process(tmp_path, brain_cls):
+    brain = toy.build(brain_cls, tmp_path / "single", checkpointer_cls=sb.utils.checkpoints.Checkpointer)
+    return toy.run_recipe(brain)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
+def test_sharded_evaluation_under_fsdp_equals_one_process(world_size, tmp_path):
+    """The toy recipe with its Linear layers sharded on their own: every VALID/TEST
+    stage (uneven shards; at 3 ranks one rank has no batch of the 2-utterance set)
+    equals plain SpeechBrain in one process, and each utterance is evaluated once."""
+    single = _single_process(tmp_path, toy.ToyBrain)
+    per_rank = results(run_ranks(fsdp_workers.recipe, world_size, str(tmp_path / "ckpt"), timeout=90))
+    for out in per_rank:
+        assert out["sharded"] == (True, True)  # the model and its optimizer are FSDP's
+        _same_records(out["log"], single["log"])
+        for key in ("test_loss", "tiny_loss", "ready_loss", "ready_sharded_loss"):
+            assert math.isclose(out[key], single[key], rel_tol=1e-6), key
+    for name in ("fit", "test", "tiny", "ready"):
+        assert Counter(i for out in per_rank for i in out["seen"][name]) == Counter(single["seen"][name]), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_decoder_with_data_dependent_forward_calls_neither_hangs_nor_differs(world_size, tmp_path):
+    """Ranks make different numbers of forward calls (1-3 per batch, by the data) and
+    have different numbers of batches: a plain FSDP loop would wait forever in an
+    all-gather; ddp_eval's stage gathers once at its start, so it finishes and equals one process."""
+    single = _single_process(tmp_path, fsdp_workers.DecoderBrain)
+    per_rank = results(run_ranks(fsdp_workers.recipe, world_size, str(tmp_path / "ckpt"), fsdp_workers.SHARD_LINEARS,
+                                 fsdp_workers.DDPDecoderBrain, timeout=90))
+    for out in per_rank:
+        _same_records(out["log"], single["log"])
+        assert math.isclose(out["test_loss"], single["test_loss"], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_training_under_fsdp_equals_training_under_ddp(world_size, tmp_path):
+    """Three epochs at lr 0.05: every step's loss on every rank, the VALID losses and
+    the final parameters and optimizer state under FSDP equal DDP's within float tolerance."""
+    ddp = results(run_ranks(fsdp_workers.train_steps, world_size, str(tmp_path / "ddp"), {}, timeout=90))
+    sharded = results(run_ranks(fsdp_workers.train_steps, world_size, str(tmp_path / "fsdp"),
+                                fsdp_workers.SHARD_LINEARS, timeout=90))
+    for d, f in zip(ddp, sharded):
+        assert len(f["steps"]) == len(d["steps"]) >= 3 * 24 // (4 * world_size)
+        assert f["steps"] == pytest.approx(d["steps"], rel=1e-5, abs=1e-6)
+        assert f["valid"] == pytest.approx(d["valid"], rel=1e-5)
+        for name, value in d["state"]["model"].items():
+            torch.testing.assert_close(f["state"]["model"][name], value, rtol=1e-5, atol=1e-6)
+    assert sharded[0]["valid"][0] != sharded[0]["valid"][-1]  # the model did learn
+
+
+def test_sharded_checkpoints_resume_at_any_world_size_and_into_ddp(tmp_path):
+    """Saved at 2 ranks under FSDP (every rank its shard, inside the atomic commit),
+    the checkpoint is complete (its full state equals what the ranks held), and it
+    resumes at 3 ranks under FSDP, in one process, and under DDP; a DDP checkpoint
+    resumes under FSDP."""
+    folder = str(tmp_path / "ckpt")
+    trained = results(run_ranks(fsdp_workers.train_steps, 2, folder, fsdp_workers.SHARD_LINEARS, 2, timeout=90))[0]
+    checkpointer = ddp_eval.Checkpointer(folder, {"model": toy.make_model()})
+    newest = checkpointer.find_checkpoint()  # the last end-of-epoch checkpoint: written after the last step
+    assert sorted(p.name for p in newest.path.iterdir() if p.suffix == ".dcp") == ["model.dcp", "optimizer.dcp"]
+    saved = ddp_eval.load_full_state_dict(newest.paramfiles["model"])
+    for name, value in trained["state"]["model"].items():
+        assert torch.equal(saved[name], value), name
+
+    def same_state(got):
+        for name, value in trained["state"]["model"].items():
+            assert torch.equal(got["model"][name], value), name
+        assert set(got["optimizer"]) == set(trained["state"]["optimizer"]) and got["optimizer"]  # Adam's state
+        for name, value in trained["state"]["optimizer"].items():
+            for key, tensor in value.items():
+                assert torch.equal(torch.as_tensor(got["optimizer"][name][key]), torch.as_tensor(tensor)), (name, key)
+
+    for world_size, opts in ((3, fsdp_workers.SHARD_LINEARS), (1, {}), (2, {})):
+        per_rank = results(run_ranks(fsdp_workers.resume, world_size, folder, opts, timeout=90))
+        for out in per_rank:
+            assert out["sharded"] == (world_size > 1 and bool(opts))
+            assert out["epoch"] == 2 and out["loaded"] == newest.path.name
+            same_state(out["state"])
+    # a checkpoint DDP wrote (plain .ckpt files, the optimizer's state by position) resumes under FSDP
+    ddp_folder = str(tmp_path / "ddp")
+    ddp_trained = results(run_ranks(fsdp_workers.train_steps, 2, ddp_folder, {}, 1, timeout=90))[0]
+    for out in results(run_ranks(fsdp_workers.resume, 2, ddp_folder, fsdp_workers.SHARD_LINEARS, timeout=90)):
+        assert out["sharded"] and out["epoch"] == 1
+        for name, value in ddp_trained["state"]["model"].items():
+            assert torch.equal(out["state"]["model"][name], value), name
+
+
+def test_average_of_sharded_checkpoints(tmp_path):
+    """SpeechBrain's average_checkpoints over sharded checkpoints, each read whole
+    once by one process (``parameter_loader=ddp_eval.load_full_state_dict``)."""
+    folder = str(tmp_path / "ckpt")
+    results(run_ranks(fsdp_workers.train_steps, 2, folder, fsdp_workers.SHARD_LINEARS, 3, timeout=90))
+    checkpointer = ddp_eval.Checkpointer(folder, {"model": toy.make_model()})
+    found = checkpointer.find_checkpoints(max_num_checkpoints=2)
+    assert len(found) == 2
+    average = sb.utils.checkpoints.average_checkpoints(found, "model",
+                                                       parameter_loader=ddp_eval.load_full_state_dict)
+    each = [ddp_eval.load_full_state_dict(c.paramfiles["model"]) for c in found]
+    for name in each[0]:
+        torch.testing.assert_close(average[name], (each[0][name] + each[1][name]) / 2)
+    assert not torch.equal(each[0]["0.weight"], each[1]["0.weight"])
+
+
+def test_an_exception_in_a_forward_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """Rank 1 fails inside a forward of a sharded FSDP TEST stage: every rank raises,
+    naming it, well within the test's deadline (no rank waits in an all-gather)."""
+    start = time.monotonic()
+    outcomes = run_ranks(fsdp_workers.fail_in_forward, 3, str(tmp_path), 1, timeout=120)
+    assert f"{outcomes[1]['error']}: {outcomes[1]['message']}" == "RuntimeError: bad utterance on purpose"
+    for rank in (0, 2):
+        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
+        assert "rank 1 failed at 'evaluate' with RuntimeError: bad utterance on purpose" in outcomes[rank]["message"]
+    assert time.monotonic() - start < 60
+
+
+def test_fsdp_options_are_checked_at_start_up():
+    with pytest.raises(ddp_eval.ConfigError, match="fsdp.shard_modules"):
+        ddp_eval.DDPEvalConfig.from_hparams({"ddp_eval": {"fsdp": {"shard_modules": "Linear"}}})
+    with pytest.raises(ddp_eval.ConfigError, match="unknown option"):
+        ddp_eval.DDPEvalConfig.from_hparams({"ddp_eval": {"fsdp": {"reshard": True}}})
+    with pytest.raises(ddp_eval.ConfigError, match="mixed_precision"):
+        ddp_eval.DDPEvalConfig.from_hparams({"ddp_eval": {"fsdp": {"mixed_precision": {"param_dtype": "fp8"}}}})
