@@ -84,3 +84,15 @@ def fail_in_forward(rank, world_size, ckpt_dir, bad_rank):
             return super().compute_forward(batch, stage)
 
     toy.run_recipe(toy.build(Failing, ckpt_dir, ddp_eval_opts=SHARD_LINEARS))
+
+
+def fail_in_training_forward(rank, world_size, ckpt_dir, bad_rank):
+    """An exception inside a TRAIN forward on one rank: the others wait inside an
+    FSDP collective (the next all-gather or the backward's reduce-scatter)."""
+    class Failing(toy.DDPToyBrain):
+        def compute_forward(self, batch, stage):
+            if stage == sb.Stage.TRAIN and rank == bad_rank and self.hparams.counter.current == 2:
+                raise RuntimeError("bad batch on purpose")
+            return super().compute_forward(batch, stage)
+
+    toy.run_recipe(toy.build(Failing, ckpt_dir, ddp_eval_opts=SHARD_LINEARS, lr=0.05))

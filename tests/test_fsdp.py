@@ -150,3 +150,17 @@ def test_fsdp_options_are_checked_at_start_up():
         ddp_eval.DDPEvalConfig.from_hparams({"ddp_eval": {"fsdp": {"reshard": True}}})
     with pytest.raises(ddp_eval.ConfigError, match="mixed_precision"):
         ddp_eval.DDPEvalConfig.from_hparams({"ddp_eval": {"fsdp": {"mixed_precision": {"param_dtype": "fp8"}}}})
+
+
+def test_a_training_forward_failing_on_one_rank_is_named_on_every_rank(tmp_path):
+    """Rank 1 fails inside a TRAIN forward while the others wait inside FSDP's
+    collectives (not a ddp_eval one). As under torchrun, the failing process
+    leaves (fresh processes): the others' collective breaks, and they raise rank
+    1's failure, named, not gloo's "connection closed", within seconds."""
+    start = time.monotonic()
+    outcomes = run_ranks(fsdp_workers.fail_in_training_forward, 3, str(tmp_path), 1, timeout=60, fresh=True)
+    assert f"{outcomes[1]['error']}: {outcomes[1]['message']}" == "RuntimeError: bad batch on purpose"
+    for rank in (0, 2):
+        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
+        assert "rank 1 failed at 'fit' with RuntimeError: bad batch on purpose" in outcomes[rank]["message"]
+    assert time.monotonic() - start < 45

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ddp_eval import sb_compat
 from ddp_eval.errors import (
     CollectiveTimeoutError,
+    DDPEvalError,
     OutOfStepError,
     RankFailedError,
 )
@@ -261,6 +262,14 @@ class ControlChannel:
             verdict = self._decide(seq, failed)
             self._publish(seq, verdict)
             self._acknowledge(seq, verdict)
+            if verdict[0] == "failed" and verdict[1] != self.rank and not isinstance(error, DDPEvalError):
+                # Another rank failed first (e.g. this one's collective broke because that rank
+                # left it): its failure is the one every rank names. ddp_eval's own errors are
+                # decided alike on every rank (a batch plan, a divergence): each raises its own.
+                try:
+                    self._open(verdict, seq, tag)
+                except RankFailedError as first:
+                    raise first from error
             raise _reported(error)
         store.set(self._key(seq, f"r{self.rank}"), pickle.dumps(_Envelope(tag, payload)))
         arrived = store.add(self._key(seq, "count"), 1)
@@ -549,6 +558,9 @@ def fail_together(tag: str) -> Iterator[None]:
         if _active() and not raised_on_every_rank(error):
             try:
                 default_channel().exchange(tag, error=error)
+            except RankFailedError as first:  # another rank failed first: named instead
+                if first.__cause__ is error:
+                    raise
             except BaseException:
                 pass  # the original error is raised below
         raise
