@@ -262,6 +262,7 @@ class Checkpointer(_Reads):
         self._background = BackgroundSaves()  # async_save, on the writer
         self.loaded: Optional[str] = None  # name of the checkpoint loaded last
         self._warned = set()
+        self._warned_sync = False  # async_save with sharded recoverables: said once
 
     # Options of the commit protocol, settable as before.
     fsync = property(lambda self: self.folder.fsync, lambda self, v: setattr(self.folder, "fsync", v))
@@ -356,6 +357,10 @@ class Checkpointer(_Reads):
         """Every rank: a checkpoint whose sharded recoverables every rank writes its
         shard of (DCP), inside the writer's atomic commit. Returns the meta written."""
         sharded, path = self._sharded(), self.checkpoints_dir / dirname
+        if self.async_save and not self._warned_sync:
+            self._warned_sync = True
+            logger.warning(f"ddp_eval: checkpoints with sharded recoverables {sorted(sharded)} (FSDP) are written "
+                           "synchronously by every rank; async_save applies to checkpoints without them.")
 
         def begin():
             self._raise_failure()
