@@ -56,7 +56,9 @@ def run(rank, world_size, directory, kill_rank=None, kill_at=None):
     model(torch.ones(2, 16)).sum().backward()
     optimizer.step()  # the optimizer has state (sharded, as the parameters)
     counter = sb.utils.epoch_loop.EpochCounter(10)
-    ckpter = ddp_eval.Checkpointer(directory, {"model": model, "optimizer": optimizer, "counter": counter})
+    # a rank left alone waits at most 5 s for the killed one (as torchrun's agent would end it)
+    ckpter = ddp_eval.Checkpointer(directory, {"model": model, "optimizer": optimizer, "counter": counter},
+                                   timeout=5)
     log = os.path.join(directory, "committed.log")
 
     def save(version, **kwargs):
