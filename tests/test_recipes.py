@@ -99,6 +99,20 @@ def test_demo_recipe(tmp_path):
     assert re.search(r"test accuracy: [0-9.e+-]+", stats)
 
 
+def test_demo_recipe_under_fsdp(tmp_path):
+    """The README's FSDP command: trained at 2 processes with its convolutions and
+    linear layer sharded (one epoch, then a run that resumes from the sharded
+    checkpoint), then its checkpoint evaluated at 3 processes and by one process
+    (plain modules: every rank loads the shards resharded): the same report."""
+    reports, stats = _train_then_compare_evaluations(
+        tmp_path, "recipes/demo/train.py", "hparams/demo.yaml", ["test_confusion.txt"],
+        "--ddp_eval={fsdp: {shard_modules: [Conv1d, Linear]}}", world_sizes=(3,))
+    saves = [d for d in os.listdir(tmp_path / "trained" / "save") if d.startswith("CKPT")]
+    assert all(os.path.isdir(tmp_path / "trained" / "save" / d / "model.dcp") for d in saves)
+    assert reports["test_confusion.txt"].count("Overall Accuracy") == 1
+    assert re.search(r"test accuracy: [0-9.e+-]+", stats)
+
+
 def test_demo_recipe_resumes_after_sigkill(tmp_path):
     """Kill the whole torchrun job (SIGKILL) once a checkpoint exists, then rerun."""
     output = tmp_path / "run"

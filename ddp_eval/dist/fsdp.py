@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - depends on the torch release
         )
     except ImportError:
         fully_shard = FSDPModule = MixedPrecisionPolicy = CPUOffloadPolicy = None
+from torch.distributed.device_mesh import init_device_mesh
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch < 2.5
@@ -82,7 +84,10 @@ def shard_module(module: torch.nn.Module, shard_modules: Sequence[str], reshard_
     """Shards ``module`` in place with ``fully_shard``: each submodule whose class
     name is in ``shard_modules`` on its own (innermost first), then the rest with
     the module itself. Returns the module (now also an ``FSDPModule``)."""
-    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    # the mesh on the module's own device (torch's default picks CUDA whenever it exists)
+    device = next(module.parameters()).device
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    kwargs: dict = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             **{key: getattr(torch, dtype) for key, dtype in mixed_precision.items()})
