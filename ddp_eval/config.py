@@ -11,12 +11,16 @@ Traceback (most recent call last):
 ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, fsdp, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split, verify
 """
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, List, Mapping, Optional
+
+import yaml
 
 from ddp_eval.errors import ConfigError
 
 SECTION = "ddp_eval"
+ENV_VAR = "DDP_EVAL"  # options over the section, for a YAML without one
 
 
 @dataclass(frozen=True)
@@ -108,14 +112,35 @@ class DDPEvalConfig:
     fsdp: Optional["FSDPOptions"] = None
 
     @classmethod
-    def from_hparams(cls, hparams: Optional[Mapping[str, Any]]) -> "DDPEvalConfig":
-        """Builds the config from ``hparams["ddp_eval"]`` (absent: defaults)."""
+    def from_hparams(cls, hparams: Optional[Mapping[str, Any]],
+                     environ: Optional[Mapping[str, str]] = None) -> "DDPEvalConfig":
+        """Builds the config from ``hparams["ddp_eval"]`` (absent: defaults), with the
+        options of the ``DDP_EVAL`` environment variable over it (a YAML mapping, e.g.
+        ``DDP_EVAL="{verify: first}"``: hyperpyyaml refuses ``--ddp_eval`` overrides
+        on a YAML without a ``ddp_eval:`` section, as converted recipes have).
+
+        Example
+        -------
+        >>> DDPEvalConfig.from_hparams({}, {"DDP_EVAL": "{verify: first}"}).verify
+        'first'
+        """
         section = (hparams or {}).get(SECTION) or {}
         if not isinstance(section, Mapping):
             raise ConfigError(
                 f"ddp_eval: the '{SECTION}:' hparams entry must be a mapping of "
                 f"options, got {type(section).__name__}: {section!r}"
             )
+        text = (os.environ if environ is None else environ).get(ENV_VAR)
+        if text:
+            try:
+                override = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"ddp_eval: {ENV_VAR} must be a YAML mapping of options, e.g. "
+                                  f"\"{{verify: first}}\"; got {text!r} ({exc})") from exc
+            if not isinstance(override, Mapping):
+                raise ConfigError(f"ddp_eval: {ENV_VAR} must be a YAML mapping of options, e.g. "
+                                  f"\"{{verify: first}}\"; got {text!r}")
+            section = {**section, **override}
         allowed = sorted(f.name for f in fields(cls))
         for key in section:
             if key not in allowed:

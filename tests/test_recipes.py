@@ -18,14 +18,14 @@ needs_fsdd = pytest.mark.skipif(
     not os.path.isdir(FSDD), reason=f"FSDD recordings not found at {FSDD} (see README: Data)")
 
 
-def _start(script, hparams, output, *args, nproc=2):
+def _start(script, hparams, output, *args, nproc=2, env=None):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     cmd = launcher + [os.path.join(ROOT, script), os.path.join(ROOT, hparams),
                       f"--output_folder={output}", "--device=cpu", "--noprogressbar"]
     if nproc:
         cmd.append("--distributed_backend=gloo")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(cmd + list(args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -111,6 +111,27 @@ def test_demo_recipe_under_fsdp(tmp_path):
     assert all(os.path.isdir(tmp_path / "trained" / "save" / d / "model.dcp") for d in saves)
     assert reports["test_confusion.txt"].count("Overall Accuracy") == 1
     assert re.search(r"test accuracy: [0-9.e+-]+", stats)
+
+
+def test_readme_verify_command_on_a_yaml_without_a_ddp_eval_section(tmp_path):
+    """A converted recipe's YAML has no ddp_eval: section, so hyperpyyaml refuses
+    --ddp_eval overrides; the README's command sets DDP_EVAL instead, and verifies."""
+    with open(os.path.join(ROOT, "hparams/demo.yaml")) as f:
+        text = f.read()
+    start = text.index("ddp_eval:")
+    end = text.index("\n\n", start)
+    plain = tmp_path / "demo_plain.yaml"
+    plain.write_text(text[:start] + text[end + 2:])
+    assert not re.search(r"^ddp_eval:", plain.read_text(), re.M)
+    refused = _start("recipes/demo/train.py", str(plain), tmp_path / "refused", "--debug",
+                     "--ddp_eval={verify: first}")
+    out, err = refused.communicate(timeout=300)
+    assert refused.returncode != 0 and "ddp_eval" in err
+    job = _start("recipes/demo/train.py", str(plain), tmp_path / "run", "--debug", env={"DDP_EVAL": "{verify: first}"})
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert re.search(r"ddp_eval: VALID verified: \d+ values equal one process", out + err)
+    assert re.search(r"ddp_eval: TEST verified: \d+ values equal one process", out + err)
 
 
 def test_demo_recipe_resumes_after_sigkill(tmp_path):
