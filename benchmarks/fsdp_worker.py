@@ -57,6 +57,8 @@ def main():
     parser.add_argument("folder")
     parser.add_argument("--params-m", type=float, default=50)
     args = parser.parse_args()
+    run_opts = {"device": "cpu", "distributed_backend": "gloo", "noprogressbar": True}
+    sb.utils.distributed.ddp_init_group(run_opts)
     torch.manual_seed(0)
     width = int((args.params_m * 1e6 / 12) ** 0.5)
     layers = []
@@ -69,10 +71,10 @@ def main():
     checkpointer = ddp_eval.Checkpointer(folder, {"model": model})
     brain = Converted({"model": model}, opt_class=lambda p: torch.optim.Adam(p, lr=1e-4),
                       hparams={"ddp_eval": {**opts, "resume_eval": False}}, checkpointer=checkpointer,
-                      run_opts={"device": "cpu", "distributed_backend": "gloo", "noprogressbar": True})
+                      run_opts=run_opts)
     g = torch.Generator().manual_seed(1)
     train = [(torch.randn(8, width, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(6)]
-    valid = [(torch.randn(8, width, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(12)]
+    valid = torch.utils.data.TensorDataset(torch.randn(96, width, generator=g), torch.randint(0, 10, (96,), generator=g))
     brain.on_fit_start()
     for batch in train:
         brain.fit_batch(batch)
@@ -85,7 +87,7 @@ def main():
         start = time.perf_counter()
         checkpointer.save_and_keep_only()
         stalls.append(time.perf_counter() - start)
-    loader = torch.utils.data.DataLoader(valid, batch_size=None)
+    loader = torch.utils.data.DataLoader(valid, batch_size=8)
     torch.distributed.barrier()
     start = time.perf_counter()
     brain.evaluate(ddp_eval.shard_dataloader(loader), progressbar=False)
