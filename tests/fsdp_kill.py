@@ -9,10 +9,9 @@ import os
 import speechbrain as sb
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_files
-from torch.distributed.fsdp import fully_shard
 
 import ddp_eval
-from ddp_eval.dist import dcp
+from ddp_eval.dist import dcp, fsdp
 from tests import kill_points
 
 
@@ -48,10 +47,7 @@ def _instrument():
 def run(rank, world_size, directory, kill_rank=None, kill_at=None):
     """Saves v1 (unarmed), then armed: keep-only v2, named 'last' v3, then v4 over it.
     Rank 0 logs each version once its save returned on every rank."""
-    model = make_model()
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    model = fsdp.shard_module(make_model(), ["Linear"])
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(2, 16)).sum().backward()
     optimizer.step()  # the optimizer has state (sharded, as the parameters)
