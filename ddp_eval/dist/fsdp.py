@@ -52,8 +52,9 @@ except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor
 
 # The oldest torch release whose fully_shard trains, evaluates and saves on CPU
-# with gloo as the tests here do (docs/versions.md).
-MIN_TORCH = (2, 6)
+# with gloo as the tests here do (docs/versions.md: 2.4 and 2.6 fail on CPU, in
+# their CUDA stream calls; 2.7.1, 2.8.0 and 2.14.1 pass tests/test_fsdp.py).
+MIN_TORCH = (2, 7)
 
 
 def _release(version: str) -> Tuple[int, int]:
@@ -66,16 +67,16 @@ def support_problem(version: Optional[str] = None) -> Optional[str]:
 
     Example
     -------
-    >>> support_problem("2.4.1").split(" (")[0]
-    'ddp_eval: fsdp needs torch >= 2.6'
+    >>> support_problem("2.6.0").split(" (")[0]
+    'ddp_eval: fsdp needs torch >= 2.7'
     >>> support_problem("2.14.1") is None
     True
     """
     version = version or torch.__version__
     if fully_shard is None or _release(version) < MIN_TORCH:
-        return (f"ddp_eval: fsdp needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (FSDP2 fully_shard on CPU and GPU, "
-                f"and its sharded checkpoints), got torch {version}. Upgrade torch, or remove the 'fsdp:' key "
-                "from the ddp_eval: section to train with DDP.")
+        return (f"ddp_eval: fsdp needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (FSDP2's fully_shard as ddp_eval "
+                f"uses it, on CPU and GPU), got torch {version}. Upgrade torch, or remove the 'fsdp:' key from the "
+                "ddp_eval: section to train with DDP.")
     return None
 
 
@@ -125,20 +126,32 @@ def fsdp_modules(modules: Iterable[torch.nn.Module]) -> List[torch.nn.Module]:
     return found
 
 
-def _setting(module: Any) -> Tuple[bool, List[Any]]:
-    """What ``set_reshard_after_forward`` changes, to put back as it was (torch 2.6-2.14)."""
-    state = module._get_fsdp_state()
-    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+def _groups(state: Any) -> List[Any]:
+    """An FSDP state's parameter groups (torch 2.7: one, ``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
 
 
-def _restore(module: Any, setting: Tuple[bool, List[Any]]) -> None:
+def _setting(module: Any) -> Tuple[Optional[bool], List[Any]]:
+    """What ``set_reshard_after_forward`` changes, to put back as it was (torch 2.7-2.14;
+    the flag of the root's automatic choice exists from 2.8 on)."""
     state = module._get_fsdp_state()
-    state._auto_reshard_after_forward = setting[0]
-    for group, info in zip(state._fsdp_param_groups, setting[1]):
+    return (getattr(state, "_auto_reshard_after_forward", None),
+            [g.post_forward_mesh_info for g in _groups(state)])
+
+
+def _restore(module: Any, setting: Tuple[Optional[bool], List[Any]]) -> None:
+    state = module._get_fsdp_state()
+    if setting[0] is not None:
+        state._auto_reshard_after_forward = setting[0]
+    for group, info in zip(_groups(state), setting[1]):
         group.post_forward_mesh_info = info
 
 
-def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tuple[bool, List[Any]]]]:
+def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tuple[Any, List[Any]]]]:
     """Collective (call it on every rank, right after an exchange): unshards every
     FSDP module in ``modules`` and keeps it unsharded across forwards; returns what
     :func:`release_parameters` needs. A no-op without FSDP modules."""
@@ -146,7 +159,11 @@ def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tup
     try:
         for module in fsdp_modules(modules):
             gathered.append((module, _setting(module)))
-            module.set_reshard_after_forward(False, recurse=False)
+            if hasattr(module, "set_reshard_after_forward"):  # torch >= 2.8
+                module.set_reshard_after_forward(False, recurse=False)
+            else:  # what it does, in torch 2.7
+                for group in _groups(module._get_fsdp_state()):
+                    group.post_forward_mesh_info = None
             module.unshard()
     except BaseException:
         release_parameters(gathered)
@@ -154,7 +171,7 @@ def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tup
     return gathered
 
 
-def release_parameters(gathered: Sequence[Tuple[Any, Tuple[bool, List[Any]]]]) -> None:
+def release_parameters(gathered: Sequence[Tuple[Any, Tuple[Any, List[Any]]]]) -> None:
     """Local: frees the full parameters :func:`gather_parameters` made and restores
     each module's reshard-after-forward setting."""
     for module, setting in reversed(gathered):
