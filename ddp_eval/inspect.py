@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval.checkpointing.commit import MANIFEST_KEY, TMP_PREFIX, TRASH_PREFIX, inspect_checkpoint_dir, read_meta
+from ddp_eval.dist.dcp import SUFFIX as SHARDED_SUFFIX
 from ddp_eval.stage._journal import JOURNAL_DIRNAME, describe_journals
 
 _LEFTOVERS = {
@@ -56,8 +57,9 @@ def _infer_required(folder: pathlib.Path) -> List[str]:
     for path in folder.glob(f"{sb_ckpt.CKPT_PREFIX}*"):
         _, meta = read_meta(path)
         for name in meta.get(MANIFEST_KEY) or {}:
-            if name.endswith(sb_ckpt.PARAMFILE_EXT):
-                manifests.add(name[: -len(sb_ckpt.PARAMFILE_EXT)])
+            top = name.split("/")[0]  # a sharded recoverable's files lie in <name>.dcp/
+            if top.endswith((sb_ckpt.PARAMFILE_EXT, SHARDED_SUFFIX)):
+                manifests.add(top.rsplit(".", 1)[0])
         seen.update(f.stem for f in path.glob(f"*{sb_ckpt.PARAMFILE_EXT}"))
     return sorted(manifests or seen)
 

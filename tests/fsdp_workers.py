@@ -96,3 +96,23 @@ def fail_in_training_forward(rank, world_size, ckpt_dir, bad_rank):
             return super().compute_forward(batch, stage)
 
     toy.run_recipe(toy.build(Failing, ckpt_dir, ddp_eval_opts=SHARD_LINEARS, lr=0.05))
+
+
+def full_disk_in_a_shard_write(rank, world_size, ckpt_dir, bad_rank):
+    """Trains one epoch (one checkpoint saved), then a save whose shard write on
+    ``bad_rank`` fails with ENOSPC: every rank must raise, and the first checkpoint stay."""
+    import errno
+    from unittest import mock
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=SHARD_LINEARS, lr=0.05, epochs=1)
+    brain.fit(brain.hparams.counter, toy.make_dataset(8, 0), toy.make_dataset(6, 1),
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    original = dcp_files.FileSystemWriter.write_data
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    with mock.patch.object(dcp_files.FileSystemWriter, "write_data", no_space if rank == bad_rank else original):
+        brain.checkpointer.save_checkpoint(meta={"second": True})

@@ -10,6 +10,7 @@ import speechbrain as sb
 import torch
 
 import ddp_eval
+import ddp_eval.inspect
 from ddp_eval.dist import fsdp
 from tests import fsdp_workers, toy
 from tests.mp_harness import results, run_ranks
@@ -129,6 +130,11 @@ def test_average_of_sharded_checkpoints(tmp_path):
     for name in each[0]:
         torch.testing.assert_close(average[name], (each[0][name] + each[1][name]) / 2)
     assert not torch.equal(each[0]["0.weight"], each[1]["0.weight"])
+    # a checkpoint missing one rank's shard is never listed, loaded or averaged
+    newest = checkpointer.find_checkpoint()
+    shard = sorted((newest.path / "model.dcp").glob("__1_*.distcp"))[0]
+    shard.unlink()
+    assert newest.path.name not in [c.path.name for c in checkpointer.find_checkpoints()]
 
 
 def test_an_exception_in_a_forward_on_one_rank_is_raised_on_every_rank(tmp_path):
@@ -164,3 +170,16 @@ def test_a_training_forward_failing_on_one_rank_is_named_on_every_rank(tmp_path)
         assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
         assert "rank 1 failed at 'fit' with RuntimeError: bad batch on purpose" in outcomes[rank]["message"]
     assert time.monotonic() - start < 45
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_full_disk_in_one_rank_shard_write_fails_on_every_rank_and_keeps_the_previous_checkpoint(bad_rank, tmp_path):
+    outcomes = run_ranks(fsdp_workers.full_disk_in_a_shard_write, 2, str(tmp_path), bad_rank, timeout=90)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get("error") in ("CheckpointWriteError", "RankFailedError"), outcome
+        assert "No space left on device (injected)" in outcome["message"], outcome
+    folder = ddp_eval.inspect.describe_folder(tmp_path)
+    complete = [e for e in folder["checkpoints"] if e["status"] == "complete"]
+    assert len(complete) == 1 and "second" not in complete[0]["meta"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ddp_eval-tmp")]  # the work dir removed
+    assert {"model", "optimizer"} <= set(folder["required"])  # a sharded recoverable is required as any

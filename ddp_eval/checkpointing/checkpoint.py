@@ -374,7 +374,9 @@ class Checkpointer(_Reads):
         try:
             for name in sorted(sharded):  # the same order on every rank: each save is a collective
                 dcp.save(sharded[name], work / f"{name}{dcp.SUFFIX}", self._modules())
-        except Exception as exc:  # DCP raises a failure of any rank on every rank
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP raises a failure of any rank on every rank (a BaseException)
             failure = exc
 
         def commit():
