@@ -39,14 +39,15 @@ def _instrument():
         setattr(owner, attr, wrapper)
 
     kill_points._instrument()  # the commit's fsyncs and renames, rmtree, torch.save
-    wrap(dcp, "save", "a sharded recoverable")
+    wrap(dcp, "save_state", "a sharded recoverable")
     wrap(dcp_files.FileSystemWriter, "write_data", "this rank's shard files")
     wrap(dcp_files.FileSystemWriter, "finish", "DCP metadata")
 
 
-def run(rank, world_size, directory, kill_rank=None, kill_at=None):
+def run(rank, world_size, directory, kill_rank=None, kill_at=None, async_save=False):
     """Saves v1 (unarmed), then armed: keep-only v2, named 'last' v3, then v4 over it.
-    Rank 0 logs each version once its save returned on every rank."""
+    Rank 0 logs each version once its save returned on every rank (with ``async_save``,
+    once ``wait()`` returned: the background writes are where most points then are)."""
     model = fsdp.shard_module(make_model(), ["Linear"])
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(2, 16)).sum().backward()
@@ -54,7 +55,7 @@ def run(rank, world_size, directory, kill_rank=None, kill_at=None):
     counter = sb.utils.epoch_loop.EpochCounter(10)
     # a rank left alone waits at most 5 s for the killed one (as torchrun's agent would end it)
     ckpter = ddp_eval.Checkpointer(directory, {"model": model, "optimizer": optimizer, "counter": counter},
-                                   timeout=5)
+                                   timeout=5, async_save=async_save)
     log = os.path.join(directory, "committed.log")
 
     def save(version, **kwargs):
@@ -65,6 +66,7 @@ def run(rank, world_size, directory, kill_rank=None, kill_at=None):
             ckpter.save_and_keep_only(**kwargs)
         else:
             ckpter.save_checkpoint(**kwargs)
+        ckpter.wait()
         if rank == 0:
             with open(log, "a") as f:
                 f.write(f"{version}\n")

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import time
 
 import speechbrain as sb
 import torch
@@ -116,3 +117,24 @@ def full_disk_in_a_shard_write(rank, world_size, ckpt_dir, bad_rank):
 
     with mock.patch.object(dcp_files.FileSystemWriter, "write_data", no_space if rank == bad_rank else original):
         brain.checkpointer.save_checkpoint(meta={"second": True})
+
+
+def async_saves(rank, world_size, ckpt_dir):
+    """FSDP with ``async_save``: fit (saves planned in on_stage_end), then a save whose
+    state is changed right after the call; returns the state at the call."""
+    checkpointer_cls = functools.partial(ddp_eval.Checkpointer, async_save=True)
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=SHARD_LINEARS, lr=0.05,
+                      optimizer=torch.optim.Adam, checkpointer_cls=checkpointer_cls)
+    brain.fit(brain.hparams.counter, toy.make_dataset(16, 0), toy.make_dataset(6, 1),
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    at_call = full_state(brain)
+    start = time.perf_counter()
+    saved = brain.checkpointer.save_checkpoint(meta={"final": True})
+    stall = time.perf_counter() - start
+    with torch.no_grad():
+        for parameter in brain.modules.model.parameters():
+            parameter.fill_(123.0)  # after the call: must not reach the checkpoint
+    brain.checkpointer.wait()
+    # the shards were written by a background job on this rank (its duration, set when it ended)
+    return {"state": at_call, "path": str(saved.path), "stall": stall,
+            "background_s": brain.checkpointer._background.writer.seconds}

@@ -184,3 +184,24 @@ def test_a_full_disk_in_one_rank_shard_write_fails_on_every_rank_and_keeps_the_p
     assert len(complete) == 1 and "second" not in complete[0]["meta"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ddp_eval-tmp")]  # the work dir removed
     assert {"model", "optimizer"} <= set(folder["required"])  # a sharded recoverable is required as any
+
+
+def test_async_sharded_saves_hold_the_state_at_call_time_and_resume(tmp_path):
+    """With async_save every rank copies its shards during the call and writes them in
+    the background (the writer then commits): a change right after the call is not
+    in the checkpoint, which resumes at 3 ranks and in one process."""
+    folder = str(tmp_path / "ckpt")
+    per_rank = results(run_ranks(fsdp_workers.async_saves, 2, folder, timeout=90))
+    assert all(out["background_s"] is not None for out in per_rank)  # every rank wrote in the background
+    saved = per_rank[0]
+    final = ddp_eval.Checkpointer(folder, {"model": toy.make_model()}).find_checkpoint(
+        ckpt_predicate=lambda c: "final" in c.meta)
+    assert str(final.path) == saved["path"]
+    full = ddp_eval.load_full_state_dict(final.paramfiles["model"])
+    for name, value in saved["state"]["model"].items():
+        assert torch.equal(full[name], value), name
+    for world_size, opts in ((3, fsdp_workers.SHARD_LINEARS), (1, {})):
+        for out in results(run_ranks(fsdp_workers.resume, world_size, folder, opts, timeout=90)):
+            assert out["loaded"] == final.path.name
+            for name, value in saved["state"]["model"].items():
+                assert torch.equal(out["state"]["model"][name], value), name

@@ -19,23 +19,26 @@ pytestmark = [pytest.mark.timeout(600),
 EVERY_POINT = os.environ.get("DDP_EVAL_EVERY_KILL_POINT") == "1"
 
 
-def _points(tmp_path, kill_rank):
-    """The armed save's kill points on ``kill_rank`` (an unarmed run lists them)."""
-    names = results(run_ranks(fsdp_kill.run, 2, str(tmp_path / f"list{kill_rank}"), kill_rank, timeout=90))
+def _points(tmp_path, kill_rank, async_save):
+    """The armed saves' kill points on ``kill_rank`` (an unarmed run lists them)."""
+    names = results(run_ranks(fsdp_kill.run, 2, str(tmp_path / f"list{kill_rank}"), kill_rank, None, async_save,
+                              timeout=90))
     return names[kill_rank]
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("kill_rank", [0, 1])
-def test_sigkill_at_each_step_of_a_sharded_save_leaves_the_newest_complete_checkpoint(kill_rank, tmp_path):
-    names = _points(tmp_path, kill_rank)
+def test_sigkill_at_each_step_of_a_sharded_save_leaves_the_newest_complete_checkpoint(kill_rank, async_save,
+                                                                                      tmp_path):
+    names = _points(tmp_path, kill_rank, async_save)
     assert any("shard files" in n for n in names) and (kill_rank == 1 or any("_rename_dir" in n for n in names))
     kinds = {names.index(n) for n in set(names) if n.startswith("before")} | {len(names) - 1}
     chosen = range(len(names)) if EVERY_POINT else sorted(kinds)
     for k in chosen:
         directory = tmp_path / f"kill{k}"
         # a TCPStore on rank 0, as torchrun's: a rank left alone learns at once that rank 0 died
-        outcomes = run_ranks(fsdp_kill.run, 2, str(directory), kill_rank, k + 1, timeout=90, fresh=True,
-                             store="tcp")
+        outcomes = run_ranks(fsdp_kill.run, 2, str(directory), kill_rank, k + 1, async_save, timeout=90,
+                             fresh=True, store="tcp")
         assert outcomes[kill_rank].get("exitcode") == -9, (names[k], outcomes[kill_rank])
         log = directory / "committed.log"
         committed = [int(v) for v in log.read_text().split()] if log.exists() else []

@@ -95,7 +95,7 @@ class _Reads(sb_ckpt.Checkpointer):
         return dist.get_timeout() if self.timeout is None else self.timeout
 
     def _raise_failure(self) -> None:
-        """Waits for the save in flight (writer); raises its failure, once."""
+        """Waits for this rank's save in flight (the writer's, or its shards'); raises its failure, once."""
         failure = self._background.take_failure(self._wait_timeout())
         if failure is not None:
             raise CheckpointWriteError(f"ddp_eval: rank {dist.get_rank()}: {failure}") from failure.__cause__
@@ -262,7 +262,6 @@ class Checkpointer(_Reads):
         self._background = BackgroundSaves()  # async_save, on the writer
         self.loaded: Optional[str] = None  # name of the checkpoint loaded last
         self._warned = set()
-        self._warned_sync = False  # async_save with sharded recoverables: said once
 
     # Options of the commit protocol, settable as before.
     fsync = property(lambda self: self.folder.fsync, lambda self, v: setattr(self.folder, "fsync", v))
@@ -299,7 +298,8 @@ class Checkpointer(_Reads):
         if self._sharded():
             dirname, full_meta = dist.decide("checkpoint save: plan", lambda: self._plan(
                 meta, end_of_epoch, name) if dist.get_rank() == 0 else None, self.timeout)[0]
-            return self._checkpoint(dirname, self._save_sharded(dirname, full_meta, end_of_epoch, None, verbosity))
+            return self._checkpoint(dirname, self._save_sharded(dirname, full_meta, end_of_epoch, keep_only,
+                                                                verbosity))
 
         def begin():  # rank 0 names the checkpoint; a writer's failed background save stops it
             self._raise_failure()
@@ -357,10 +357,6 @@ class Checkpointer(_Reads):
         """Every rank: a checkpoint whose sharded recoverables every rank writes its
         shard of (DCP), inside the writer's atomic commit. Returns the meta written."""
         sharded, path = self._sharded(), self.checkpoints_dir / dirname
-        if self.async_save and not self._warned_sync:
-            self._warned_sync = True
-            logger.warning(f"ddp_eval: checkpoints with sharded recoverables {sorted(sharded)} (FSDP) are written "
-                           "synchronously by every rank; async_save applies to checkpoints without them.")
 
         def begin():
             self._raise_failure()
@@ -370,6 +366,8 @@ class Checkpointer(_Reads):
             return str(self.folder.begin(dirname)) if self._is_writer() else None
 
         work = pathlib.Path(dist.decide("checkpoint save: shards", begin, self.timeout)[0])
+        if self.async_save:
+            return self._save_sharded_in_background(work, dirname, meta, end_of_epoch, keep_only, verbosity)
         failure: Optional[BaseException] = None
         try:
             for name in sorted(sharded):  # the same order on every rank: each save is a collective
@@ -399,6 +397,56 @@ class Checkpointer(_Reads):
             return written
 
         return dist.decide("checkpoint save: commit", commit, self.timeout)[0]
+
+    def _save_sharded_in_background(self, work, dirname, meta, end_of_epoch, keep_only, verbosity) -> dict:
+        """Every rank, ``async_save``: copies its shards (and, on the writer, the other
+        state) in memory now; a background thread on every rank writes the shards
+        (over a group of their own), then the writer's writes the rest and commits.
+        A failure anywhere is raised on every rank by the next checkpointer call."""
+        sharded, path, writer = self._sharded(), self.checkpoints_dir / dirname, self._is_writer()
+        group = dcp.checkpoint_group()  # the first time: made on every rank, here
+        copies: Dict[str, Any] = {}
+
+        def snapshot():
+            copies["shards"] = {n: dcp.staged(dcp.state_of(sharded[n], self._modules())) for n in sorted(sharded)}
+            if writer:
+                rest = [n for n in self.recoverables if n not in sharded]
+                by_state_dict = [n for n in rest if sb_compat.save_hook(self, n, self.recoverables[n])
+                                 in sb_compat.STATE_DICT_SAVERS]
+                sb_compat.call_save_hooks(self, work, [n for n in rest if n not in by_state_dict])
+                copies["rest"] = self._background.snapshot(
+                    {n: self.recoverables[n].state_dict() for n in by_state_dict})
+
+        try:
+            dist.decide("checkpoint save: snapshot", snapshot, self.timeout)
+        except BaseException:
+            if writer:
+                self.folder.abort(work)
+            raise
+
+        def write():
+            try:
+                shards = copies.pop("shards")
+                for name in sorted(shards):  # the same order on every rank: each save is a collective
+                    dcp.save_state(shards.pop(name), work / f"{name}{dcp.SUFFIX}", group)
+                if not writer:
+                    return
+                for name, state in copies.pop("rest").items():
+                    torch.save(state, work / f"{name}{sb_ckpt.PARAMFILE_EXT}")
+                self.folder.commit(work, dirname, meta)
+            except BaseException:
+                if writer:
+                    self.folder.abort(work)
+                raise
+            kind = "end-of-epoch" if end_of_epoch else "intra-epoch"
+            logger.log(verbosity, f"Saved an {kind} checkpoint in {path} (in the background; "
+                                  f"{len(sharded)} sharded recoverable(s))")
+            if keep_only is not None:
+                self._delete_here(**keep_only)
+
+        self._background.writer.exit_timeout = self._wait_timeout()
+        self._background.writer.start(write, str(path))
+        return meta
 
     def _plan(self, meta, end_of_epoch, name) -> Tuple[str, dict]:
         """``(directory name, meta)`` of a new checkpoint (chosen on rank 0)."""

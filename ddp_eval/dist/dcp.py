@@ -39,6 +39,11 @@ from typing import Any, Dict, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch < 2.5
+    from torch.distributed._tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -69,7 +74,46 @@ def state_of(obj: Any, modules: Mapping[str, torch.nn.Module]) -> Dict[str, Any]
 
 def save(obj: Any, folder: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -> None:
     """Writes ``obj``'s state into ``folder`` (every rank its shard; collective)."""
-    dcp.save(state_of(obj, modules), checkpoint_id=str(folder), no_dist=_no_dist())
+    save_state(state_of(obj, modules), folder)
+
+
+def save_state(state: Dict[str, Any], folder: pathlib.Path, group: Any = None) -> None:
+    """Writes a state (:func:`state_of`, or its :func:`staged` copy) into ``folder``,
+    every rank its shard, collectively over ``group`` (default: the default group)."""
+    dcp.save(state, checkpoint_id=str(folder), process_group=group, no_dist=_no_dist())
+
+
+def staged(state: Any) -> Any:
+    """A copy of a state in CPU memory that training may not change: each rank's
+    shard of a ``DTensor`` (a ``DTensor`` again, on its mesh), every other tensor
+    whole; containers copied, other values kept."""
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: staged(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(staged(v) for v in state)
+    return state
+
+
+def checkpoint_group() -> Any:
+    """A gloo group of every rank for saves written in the background (their
+    collectives must not interleave with training's on the default group);
+    made once per default group, on every rank at the same point (collective).
+    None without a process group."""
+    if _no_dist():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _groups.get("of") is not default:
+        _groups.update(of=default, group=dist.new_group(backend="gloo"))
+    return _groups["group"]
+
+
+_groups: Dict[str, Any] = {}
 
 
 def load(obj: Any, path: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -> None:
