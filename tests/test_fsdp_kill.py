@@ -22,7 +22,7 @@ EVERY_POINT = os.environ.get("DDP_EVAL_EVERY_KILL_POINT") == "1"
 def _points(tmp_path, kill_rank, async_save):
     """The armed saves' kill points on ``kill_rank`` (an unarmed run lists them)."""
     names = results(run_ranks(fsdp_kill.run, 2, str(tmp_path / f"list{kill_rank}"), kill_rank, None, async_save,
-                              timeout=90))
+                              timeout=90, fresh=True))  # it instruments (patches) the rank: not in the pool
     return names[kill_rank]
 
 
