@@ -32,7 +32,7 @@ import pathlib
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from speechbrain.utils.checkpoints import PARAMFILE_EXT
@@ -183,6 +183,15 @@ class BackgroundWriter:
         return error
 
 
+def by_saver(checkpointer: Any, names: List[str]) -> Tuple[List[str], List[str]]:
+    """``(names, names)`` of the recoverables SpeechBrain saves as
+    ``torch.save(state_dict())`` (snapshotted by an async save), and the others
+    (own savers, custom hooks: written during the call)."""
+    by_state_dict = [n for n in names if sb_compat.save_hook(checkpointer, n, checkpointer.recoverables[n])
+                     in sb_compat.STATE_DICT_SAVERS]
+    return by_state_dict, [n for n in names if n not in by_state_dict]
+
+
 class BackgroundSaves:
     """The non-blocking saves of one checkpointer on its writer, one at a time:
     the snapshot (memory checked, buffers kept and refilled), the background
@@ -243,9 +252,7 @@ class BackgroundSaves:
         recoverables SpeechBrain saves as ``torch.save(state_dict())`` are
         snapshotted, the others (own savers, custom hooks) written during the
         call; the rest is :meth:`save`."""
-        by_state_dict = [n for n, obj in checkpointer.recoverables.items()
-                         if sb_compat.save_hook(checkpointer, n, obj) in sb_compat.STATE_DICT_SAVERS]
-        own_savers = [n for n in checkpointer.recoverables if n not in by_state_dict]
+        by_state_dict, own_savers = by_saver(checkpointer, list(checkpointer.recoverables))
         self.save(checkpointer.folder, dirname, meta,
                   write_now=lambda work: sb_compat.call_save_hooks(checkpointer, work, own_savers),
                   states=lambda: {n: checkpointer.recoverables[n].state_dict() for n in by_state_dict},

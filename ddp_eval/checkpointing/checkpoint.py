@@ -35,7 +35,7 @@ import torch
 from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval import dist, sb_compat
-from ddp_eval.checkpointing._async_save import BackgroundSaves
+from ddp_eval.checkpointing._async_save import BackgroundSaves, by_saver
 from ddp_eval.checkpointing.commit import UNSUPPORTED_STORAGE_ACTIONS, CheckpointFolder
 from ddp_eval.config import check_choice
 from ddp_eval.dist import dcp, fsdp
@@ -410,10 +410,8 @@ class Checkpointer(_Reads):
         def snapshot():
             copies["shards"] = {n: dcp.staged(dcp.state_of(sharded[n], self._modules())) for n in sorted(sharded)}
             if writer:
-                rest = [n for n in self.recoverables if n not in sharded]
-                by_state_dict = [n for n in rest if sb_compat.save_hook(self, n, self.recoverables[n])
-                                 in sb_compat.STATE_DICT_SAVERS]
-                sb_compat.call_save_hooks(self, work, [n for n in rest if n not in by_state_dict])
+                by_state_dict, own_savers = by_saver(self, [n for n in self.recoverables if n not in sharded])
+                sb_compat.call_save_hooks(self, work, own_savers)
                 copies["rest"] = self._background.snapshot(
                     {n: self.recoverables[n].state_dict() for n in by_state_dict})
 
