@@ -61,17 +61,7 @@ def run(rank, world_size, directory, kill_rank=None, kill_at=None, async_save=Fa
     def save(version, **kwargs):
         fill(model, version)
         counter.current = version
-        kwargs.setdefault("meta", {})["version"] = version
-        if "num_to_keep" in kwargs:
-            ckpter.save_and_keep_only(**kwargs)
-        else:
-            ckpter.save_checkpoint(**kwargs)
-        ckpter.wait()
-        if rank == 0:
-            with open(log, "a") as f:
-                f.write(f"{version}\n")
-                f.flush()
-                os.fsync(f.fileno())
+        kill_points.save_logged(ckpter, version, log if rank == 0 else None, **kwargs)
 
     save(1)
     if rank == kill_rank:

@@ -84,6 +84,22 @@ def make_checkpointer(directory, version=0):
     return ddp_eval.Checkpointer(directory, recoverables={"model": model, "blob": blob}), model, blob
 
 
+def save_logged(ckpter, version, log_path, **kwargs):
+    """Saves ``version`` in its meta (keep-only with ``num_to_keep``), waits for the
+    save, then appends ``version`` to ``log_path`` durably (None: no log)."""
+    kwargs.setdefault("meta", {})["version"] = version
+    if "num_to_keep" in kwargs:
+        ckpter.save_and_keep_only(**kwargs)
+    else:
+        ckpter.save_checkpoint(**kwargs)
+    ckpter.wait()
+    if log_path is not None:
+        with open(log_path, "a") as f:
+            f.write(f"{version}\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def run(directory, kill_at=None, log_path=None, renameat2=True, async_save=False):
     """Saves v1 (unarmed), then armed: keep-only v2, named 'last' v3 then v4 (a re-save).
 
@@ -102,16 +118,7 @@ def run(directory, kill_at=None, log_path=None, renameat2=True, async_save=False
             model.weight.fill_(float(version))
             model.bias.fill_(-float(version))
         blob.version = version
-        kwargs.setdefault("meta", {})["version"] = version
-        if "num_to_keep" in kwargs:
-            ckpter.save_and_keep_only(**kwargs)
-        else:
-            ckpter.save_checkpoint(**kwargs)
-        ckpter.wait()
-        with open(log_path, "a") as f:
-            f.write(f"{version}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        save_logged(ckpter, version, log_path, **kwargs)
 
     save(1)
     _instrument()
