@@ -39,6 +39,12 @@ class StateDivergenceError(DDPEvalError):
 class CheckpointWriteError(DDPEvalError):
     """Writing a checkpoint failed on the writing rank; the previous one is intact."""
 
+    @classmethod
+    def naming(cls, rank: int, path, error: BaseException, what: str = "") -> "CheckpointWriteError":
+        """The error for ``error``, raised on ``rank`` writing ``what`` of checkpoint ``path``."""
+        return cls(f"ddp_eval: rank {rank} could not write {what}checkpoint {path}: "
+                   f"{type(error).__name__}: {error}. The previous checkpoints are intact.")
+
 
 class CheckpointLoadError(DDPEvalError):
     """Loading a chosen checkpoint failed; raised on every rank, naming the file."""
