@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ddp_eval.stage._verify import first_difference
-from tests import patterns
+from tests import patterns, workers
 from tests.mp_harness import results, run_ranks
 from tests.test_recipe_patterns import assert_records_equal, evaluation_records
 
@@ -56,3 +56,13 @@ def test_first_difference_names_the_path_and_both_values():
     assert first_difference({"a": [1, {"b": 2.0}]}, {"a": [1, {"b": 2.5}]}) == ("['a'][1]['b']", "2.0", "2.5")
     assert first_difference([1], [1, 2])[0] == ""
     assert first_difference(float("nan"), float("nan")) is None
+
+
+def test_verify_does_not_change_training(tmp_path):
+    """A scheduler stepped in compute_objectives (state outside the Brain) is put back
+    after the reference pass: every stage's learning rate and scheduler count, on every
+    rank, are those of the same run without verify (the pass used to step it twice)."""
+    plain = results(run_ranks(workers.cyclic_scheduler_recipe, 2, str(tmp_path / "off"), "off", timeout=240))
+    verified = results(run_ranks(workers.cyclic_scheduler_recipe, 2, str(tmp_path / "on"), "every", timeout=240))
+    assert verified == plain
+    assert len({count for _, _, count in plain[0]}) > 3  # the scheduler did step, stage after stage

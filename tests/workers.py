@@ -389,3 +389,26 @@ def exit_hook(rank, world_size, uncaught_on):
         sys.last_value = RuntimeError("uncaught")  # what the interpreter records before atexit runs
     dist._settle_at_exit()
     return torch.distributed.is_initialized()
+
+
+def cyclic_scheduler_recipe(rank, world_size, ckpt_dir, verify):
+    """A recipe whose cyclic learning-rate scheduler (in hparams) steps in
+    compute_objectives, at every batch of every stage, as a SpeechBrain sound
+    classification recipe's does; returns the lr and the scheduler's count after
+    each stage."""
+    from speechbrain.nnet.schedulers import CyclicLRScheduler
+
+    class Cyclic(toy.DDPToyBrain):
+        def compute_objectives(self, logits, batch, stage):
+            self.hparams.cyclic.on_batch_end(self.optimizer)
+            return super().compute_objectives(logits, batch, stage)
+
+        def on_stage_end(self, stage, stage_loss, epoch=None):
+            super().on_stage_end(stage, stage_loss, epoch)
+            self.lrs.append((stage.name, self.optimizer.param_groups[0]["lr"], self.hparams.cyclic.clr_iterations))
+
+    brain = toy.build(Cyclic, ckpt_dir, ddp_eval_opts={"verify": verify}, lr=0.05)
+    brain.hparams.cyclic = CyclicLRScheduler(base_lr=0.01, max_lr=0.1, step_size=3)
+    brain.lrs = []
+    toy.run_recipe(brain)
+    return brain.lrs

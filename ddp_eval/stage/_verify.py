@@ -121,6 +121,7 @@ class StageVerifier:
         held = {name: getattr(brain, name) for name in self.start if hasattr(brain, name)}
         rng = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
         step, before = brain.step, outside()
+        kept = OutsideState(brain)  # a scheduler stepped per batch must not be stepped twice
         for name, value in self.start.items():
             setattr(brain, name, value)
         try:
@@ -136,6 +137,7 @@ class StageVerifier:
             for name, value in held.items():
                 setattr(brain, name, value)
             brain.step = step
+            kept.restore()
             torch.set_rng_state(rng[0])
             random.setstate(rng[1])
             if rng[2] is not None:
@@ -144,6 +146,67 @@ class StageVerifier:
         changed = {label: "changed by the reference pass" for label in sorted(set(before) | set(after))
                    if before.get(label) != after.get(label)}
         return avg_loss, result, changed
+
+
+class OutsideState:
+    """The state outside the recipe's attributes that a batch may change, copied so
+    that the reference pass leaves training as it found it: the objects in
+    ``hparams`` and among the checkpointer's recoverables (a scheduler stepped in
+    ``compute_objectives``, a counter), each one's own attributes, and the
+    hyperparameters of the Brain's optimizers (the learning rate such a scheduler
+    sets). Modules, optimizers' states, parameters and these objects themselves are
+    kept by identity (never copied); an object that cannot be copied is left as it
+    is (and named if the pass changed it).
+
+    Example
+    -------
+    >>> import types
+    >>> model = torch.nn.Linear(1, 1)
+    >>> class Scheduler:
+    ...     def __init__(self):
+    ...         self.steps = 0
+    >>> brain = types.SimpleNamespace(hparams=types.SimpleNamespace(lr=Scheduler()),
+    ...                               optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    >>> kept = OutsideState(brain)
+    >>> brain.hparams.lr.steps += 1
+    >>> brain.optimizer.param_groups[0]["lr"] = 0.1
+    >>> kept.restore()
+    >>> brain.hparams.lr.steps, brain.optimizer.param_groups[0]["lr"]
+    (0, 0.5)
+    """
+
+    def __init__(self, brain: Any) -> None:
+        hparams = getattr(brain, "hparams", None)
+        checkpointer = getattr(brain, "checkpointer", None)
+        candidates = list(vars(hparams).values()) if hparams is not None else []
+        candidates += list((getattr(checkpointer, "recoverables", None) or {}).values())
+        candidates += [v for v in vars(brain).values() if isinstance(v, torch.optim.Optimizer)]
+        objects = list({id(o): o for o in candidates}.values())
+        heavy = [o for o in objects if isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
+        for module in [o for o in objects if isinstance(o, torch.nn.Module)] + list(
+                (getattr(brain, "modules", None) or {}).values()):
+            heavy += [module, *module.parameters(), *module.buffers()]
+        memo = {id(o): o for o in objects + heavy + [checkpointer, brain]}
+        self.optimizers = [(o, [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in o.param_groups])
+                           for o in objects if isinstance(o, torch.optim.Optimizer)]
+        self.objects = []
+        for obj in objects:
+            own = getattr(obj, "__dict__", None)
+            if own is None or obj is checkpointer or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, type)):
+                continue
+            try:
+                self.objects.append((obj, copy.deepcopy(dict(own), dict(memo))))
+            except Exception:  # a lock, a file: left as it is (outside() names it if the pass changed it)
+                continue
+
+    def restore(self) -> None:
+        """Puts every copied object's attributes and every optimizer's hyperparameters back."""
+        for obj, own in self.objects:
+            vars(obj).clear()
+            vars(obj).update(own)
+        for optimizer, groups in self.optimizers:
+            for group, saved in zip(optimizer.param_groups, groups):
+                group.update(saved)
 
 
 def compare(loss: float, reference_loss: float, merged: Dict[str, Any], reference: Dict[str, Any]
