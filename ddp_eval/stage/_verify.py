@@ -195,15 +195,25 @@ class OutsideState:
             if own is None or obj is checkpointer or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, type)):
                 continue
             try:
-                self.objects.append((obj, copy.deepcopy(dict(own), dict(memo))))
+                self.objects.append((obj, dict(own), copy.deepcopy(dict(own), dict(memo))))
             except Exception:  # a lock, a file: left as it is (outside() names it if the pass changed it)
                 continue
 
     def restore(self) -> None:
-        """Puts every copied object's attributes and every optimizer's hyperparameters back."""
-        for obj, own in self.objects:
-            vars(obj).clear()
-            vars(obj).update(own)
+        """Puts every copied object's attributes back (the same objects: a list,
+        dict or set refilled in place, a value rebound put back) and every
+        optimizer's hyperparameters."""
+        for obj, originals, copies in self.objects:
+            own = vars(obj)
+            for key in [k for k in own if k not in originals]:  # bound by the pass
+                del own[key]
+            for key, original in originals.items():
+                own[key] = original
+                if isinstance(original, list):
+                    original[:] = copies[key]
+                elif isinstance(original, (dict, set)):
+                    original.clear()
+                    original.update(copies[key])
         for optimizer, groups in self.optimizers:
             for group, saved in zip(optimizer.param_groups, groups):
                 group.update(saved)
