@@ -53,9 +53,10 @@ def run(rank, world_size, directory, kill_rank=None, kill_at=None, async_save=Fa
     model(torch.ones(2, 16)).sum().backward()
     optimizer.step()  # the optimizer has state (sharded, as the parameters)
     counter = sb.utils.epoch_loop.EpochCounter(10)
-    # a rank left alone waits at most 5 s for the killed one (as torchrun's agent would end it)
+    # a rank left alone waits at most 15 s for the killed one (as torchrun's agent would end it); long
+    # enough that a save on a loaded machine is not taken for a dead rank
     ckpter = ddp_eval.Checkpointer(directory, {"model": model, "optimizer": optimizer, "counter": counter},
-                                   timeout=5, async_save=async_save)
+                                   timeout=15, async_save=async_save)
     log = os.path.join(directory, "committed.log")
 
     def save(version, **kwargs):
