@@ -120,21 +120,17 @@ def load(obj: Any, path: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -
     """Loads ``path`` into ``obj`` (collective with a process group): a DCP folder
     at any world size, or a plain ``torch.save`` file of a full state dict."""
     path = pathlib.Path(path)
+    optimizer = isinstance(obj, torch.optim.Optimizer)
     if path.is_dir():
-        state = state_of(obj, modules)
+        state, options = state_of(obj, modules), None
         dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
     else:  # a full state dict from SpeechBrain's or DDP's checkpoint: every rank keeps its part
-        state = torch.load(path, map_location="cpu")
-        full = StateDictOptions(full_state_dict=True)
-        if isinstance(obj, torch.optim.Optimizer):
-            set_optimizer_state_dict(_owner(modules), obj, _by_names(state, obj, modules), options=full)
-        else:
-            set_model_state_dict(obj, state, options=full)
-        return
-    if isinstance(obj, torch.optim.Optimizer):
-        set_optimizer_state_dict(_owner(modules), obj, state)
+        state, options = torch.load(path, map_location="cpu"), StateDictOptions(full_state_dict=True)
+        state = _by_names(state, obj, modules) if optimizer else state
+    if optimizer:
+        set_optimizer_state_dict(_owner(modules), obj, state, options=options)
     else:
-        set_model_state_dict(obj, state)
+        set_model_state_dict(obj, state, options=options)
 
 
 def _by_names(state: Dict[str, Any], optimizer: torch.optim.Optimizer,
