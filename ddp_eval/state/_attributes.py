@@ -54,7 +54,17 @@ import torch
 
 from ddp_eval.errors import ConfigError
 from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
-from ddp_eval.state._rebuilt import extends, handed_back, make_probe, plain_value, read_rebuilt, shares_entries
+from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._recording import REMEDY, recording_copy, restore, unmergeable_operations
+from ddp_eval.state._rebuilt import (
+    extends,
+    handed_back,
+    in_place_writes,
+    make_probe,
+    plain_value,
+    read_rebuilt,
+    shares_entries,
+)
 from ddp_eval.state._values import (
     ABSENT,
     ELSEWHERE,
@@ -118,6 +128,14 @@ class Slot:
                  depth: int = 0) -> None:
         self.label, self.owner, self.name, self.budget, self.depth = label, owner, name, budget, depth
         self.start = get_value(owner, name) if start is None else start
+        # a container held at stage start: a recording copy stands in for it until restore()
+        self.original, self.recorded = self.start, recording_copy(self.start)
+        if self.recorded is None:
+            self.original = None
+        else:
+            self.original_mark = Fingerprint.of(self.original, depth=1)  # changed through another reference?
+            self.start = self.recorded
+            set_value(owner, name, self.recorded)
         self.obj = self.start  # held, so that an identity check cannot meet a reused id
         self.why: Optional[str] = None  # why it cannot be merged
         self.assigned_at: Optional[int] = None  # batch that bound the newest object
@@ -154,7 +172,7 @@ class Slot:
             self.probe = probe(self.obj)
             set_value(self.owner, self.name, self.probe)
         else:
-            if type(self.obj) in _PROBED_CONTAINERS:
+            if type(self.obj) in _PROBED_CONTAINERS or (self.obj is self.recorded and isinstance(self.obj, list)):
                 self.rebuilt_probe = make_probe(self.obj)
                 if self.rebuilt_probe is not None:
                     set_value(self.owner, self.name, self.rebuilt_probe)
@@ -182,6 +200,11 @@ class Slot:
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
             return False
+        if what == "derived" and isinstance(value, (str, bytes)):
+            self.fail(f"a batch computed a new {type(value).__name__} from the previous one by more than appending "
+                      "to it (s += x), so ddp_eval cannot replay it in one process's order; append only, or "
+                      "compute it in on_stage_end")
+            return True
         if what == "derived":
             became = "" if is_number(value) else f" (it became a {type(value).__name__}: start it as one)"
             self.fail("a batch computed its new value from its previous one by more than + or - (a "
@@ -199,6 +222,14 @@ class Slot:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
         (``changed`` None: see the watch, or a new object bound)."""
         probe, self.rebuilt_probe = self.rebuilt_probe, None
+        writes = in_place_writes(probe)
+        if writes:
+            set_value(self.owner, self.name, value if value is not probe else self.obj)
+            remedy = REMEDY[list] if isinstance(self.obj, list) else (
+                "change it with +=, add_() or index_add_() only (x[i] += 1 is one), or compute it in on_stage_end")
+            self.fail(f"a batch changed it in place by {', '.join(writes)}, which ddp_eval cannot replay in one "
+                      f"process's order; {remedy}")
+            return True, value
         appended = handed_back(probe, self.obj)  # an empty list's probe: what batches appended to it
         what, data = read_rebuilt(probe, value)
         if what == "same":
@@ -316,12 +347,37 @@ class Slot:
         """What changed after the last batch (at position ``inf``); probes taken away."""
         self.observe(batch)
         self.release()
+        if self.recorded is not None:
+            self.fail(unmergeable_operations(self.recorded) or "")
+            if self.why == "":
+                self.why = None
+            if self.original is not None and unexplained(self.original_mark, self.original):
+                self.fail("it was changed through another reference to the object it held at stage start (an "
+                          "alias, e.g. in hparams), which ddp_eval does not watch; change it through the Brain "
+                          "attribute only")
         if self.why is None:
             self.watch.finish()
         if self.assigned_at is not None and self.watch.changes_after(self.assigned_at) and not self.created:
             self.fail(f"a batch bound a new {type(self.obj).__name__} to it and later ones changed that in place")
         if self.events and not is_number(self.obj) and self.watch.changes_after(-1):
             self.fail(f"a batch rebuilt it as a new {type(self.obj).__name__} and later ones changed that in place")
+
+    def restore(self) -> None:
+        """The container held at stage start back in place of its recording copy,
+        with the copy's contents (merged, or this rank's); entries first."""
+        for entry in getattr(self.watch, "entries", {}).values():
+            entry.restore()
+        if self.original is None:
+            return
+        recorded, original, self.original = self.recorded, self.original, None
+        restore(recorded, original)
+        if get_value(self.owner, self.name) is recorded:
+            set_value(self.owner, self.name, original)
+        for name in ("start", "obj"):
+            if getattr(self, name) is recorded:
+                setattr(self, name, original)
+        if self.watch.obj is recorded:
+            self.watch.obj = original
 
     def kind(self) -> Optional[Kind]:
         """How this attribute's change merges; None if unchanged or unmergeable (no side effects)."""
@@ -491,12 +547,19 @@ class AttributeTracker:
         for slot in self.tracks.values():
             slot.release()
 
+    def restore(self) -> None:
+        """The containers held at stage start back in place of their recording
+        copies (after the merge is applied, or when the stage is abandoned)."""
+        for slot in self.tracks.values():
+            slot.restore()
+
     def drop(self, labels) -> None:
         """Stops watching ``labels`` (they came to hold metric objects, merged as such)."""
         for label in labels:
             slot = self.tracks.pop(label, None)
             if slot is not None:
                 slot.release()
+                slot.restore()
                 for prepared in (self._busy, self._idle, self._added):
                     if slot in prepared:
                         prepared.remove(slot)

@@ -60,9 +60,10 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         held.append(value)
         return ("deep", id(value), len(value) if isinstance(value, (list, tuple, dict, set)) else None)
     if isinstance(value, (list, tuple)):
+        name = "list" if isinstance(value, list) else kind.__name__  # a recording copy is its list
         if len(value) > LARGE:  # one entry per utterance: by value or identity, flat (C speed for scalars)
-            return (kind.__name__, _flat(value, held))
-        return (kind.__name__, tuple(_leaf(x, held, depth + 1) for x in value))
+            return (name, _flat(value, held))
+        return (name, tuple(_leaf(x, held, depth + 1) for x in value))
     if isinstance(value, dict):
         if len(value) > LARGE:
             return ("dict", _flat(list(value), held), _flat(list(value.values()), held))

@@ -35,11 +35,12 @@ Example
 True
 """
 
+import inspect
 from typing import Any, List, Optional, Tuple
 
 from ddp_eval.state._rebuilt import add, concat, subtract
 
-PROBED_TYPES = (int, float)
+PROBED_TYPES = (int, float, str, bytes)
 
 
 class _Probe:
@@ -64,9 +65,14 @@ class _Probe:
         return result
 
     def __add__(self, other):
+        if isinstance(self, (str, bytes)):  # s += line: concatenation, replayed in global batch order
+            return self._derive("&", other, _base(self)(self) + other)
         return self._derive("+", other, _base(self)(self) + other)
 
     def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
+        if isinstance(self, (str, bytes)):  # prefix + s: not replayed
+            self._origin._used = True
+            return other + _base(self)(self)
         return self._derive("+", other, other + _base(self)(self))
 
     def __sub__(self, other):
@@ -90,18 +96,32 @@ _USES = ("__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__fl
          "__gt__", "__ge__", "__eq__", "__ne__", "__bool__", "__round__", "__trunc__", "__floor__", "__ceil__")
 
 
+def _uses(base: type) -> List[str]:
+    """What reads a probe's value: for numbers, :data:`_USES`; for strings and
+    bytes, every method of the type but ``+`` (``+=`` is concatenation,
+    replayed), taken from ``dir()``."""
+    if base in (int, float):
+        return [name for name in _USES if hasattr(base, name)]
+    own = (name for name in dir(base) if name not in ("__add__", "__getnewargs__", "__hash__")
+           and (name not in dir(object) or name in _USES))
+    return [name for name in own if type(inspect.getattr_static(base, name)).__name__ in _METHOD_KINDS]
+
+
+_METHOD_KINDS = ("method_descriptor", "wrapper_descriptor")  # not static or class methods
+
+
 def _probe_class(base: type) -> type:
-    namespace = {name: _used(name) for name in _USES if hasattr(base, name)}
+    namespace = {name: _used(name) for name in _uses(base)}
     namespace["__hash__"] = base.__hash__
     return type(f"{base.__name__.capitalize()}Probe", (_Probe, base), namespace)
 
 
-IntProbe, FloatProbe = _probe_class(int), _probe_class(float)
-_CLASSES = {int: IntProbe, float: FloatProbe}
+IntProbe, FloatProbe, StrProbe, BytesProbe = (_probe_class(kind) for kind in PROBED_TYPES)
+_CLASSES = {int: IntProbe, float: FloatProbe, str: StrProbe, bytes: BytesProbe}
 
 
 def _base(value: Any) -> type:
-    return float if isinstance(value, float) else int
+    return next(kind for kind in (float, str, bytes, int) if isinstance(value, kind))
 
 
 def probe(value: Any) -> Any:

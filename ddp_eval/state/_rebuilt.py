@@ -37,6 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ddp_eval.state._recording import GROWS, changing_methods, is_recording
 from ddp_eval.state._values import is_array, numpy
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__"}
@@ -61,17 +62,52 @@ _MOVES = {"clone", "detach", "__deepcopy__", "__setitem__", "copy_", "pad", "sta
           "__array__", "__iter__", "__index__", "__int__", "__float__"}
 
 
+# in-place changes the merge replays as increments (``x += y``, ``x.add_(y)``,
+# ``torch.add(x, y, out=x)``, ``index_add_``); an index assignment is one if the
+# value assigned was computed from the value itself by + or - (``x[i] += 1``,
+# ``x[i] = x[i] + 1``); every other in-place change is noted in ``writes``
+_ADDITIVE = {"add_", "sub_", "__iadd__", "__isub__", "index_add_", "scatter_add_", "add", "sub", "subtract"}
+
+
+def _write(record: Any, name: str, args: tuple, kwargs: dict, out: Any, target: Any) -> bool:
+    """Notes an in-place change of ``target`` (the probe, or a view of it) in
+    ``record.writes`` unless additive; whether the call was one."""
+    if name == "__setitem__":
+        if not (args and args[0] is target):
+            return False
+        value = args[2] if len(args) > 2 else None
+        if not any(value is s for s in record.sums):
+            record.writes.append("index assignment of a value not computed from it by + or -")
+        return True
+    if name == "data.__set__" and args and args[0] is target:
+        record.writes.append("a write through .data")
+        return True
+    into = kwargs.get("out")
+    if out is None or not (out is target or (into is target and out is into)) or not (args and (
+            args[0] is target or into is target)):
+        return False
+    if name in _ADDITIVE:
+        record.sums.append(out)
+    else:
+        record.writes.append(f"{name}()")
+    return True
+
+
 class _Record:
     """What a batch computed from one probe: ``results`` of ``+``, ``-`` and
-    concatenation, and whether the value was used otherwise."""
+    concatenation, whether the value was used otherwise, values computed from it
+    (or its views) by ``+`` or ``-`` (``sums``) and in-place changes the merge
+    cannot replay as increments (``writes``)."""
 
-    __slots__ = ("root", "used", "results")
+    __slots__ = ("root", "used", "results", "sums", "writes")
 
     def __init__(self, root: Any) -> None:
-        self.root, self.used, self.results = root, False, []
+        self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         root = self.root
+        if _write(self, name, args, kwargs, out, root):
+            return
         if name in _NO_READ or out is root:  # metadata, or changed in place (seen by _version)
             return
         if name in _ADD and len(args) == 2 and not kwargs and any(a is root for a in args):
@@ -113,6 +149,8 @@ class TensorProbe(torch.Tensor):
         record = _find_record(args)
         if record is not None:
             name = getattr(func, "__name__", "")
+            if name in ("__get__", "__set__") and getattr(func, "__self__", None) is torch.Tensor.data:
+                name = "data." + name
             recorded = len(getattr(record, "results", ()))
             record.note(name, args, kwargs, out)
             if len(getattr(record, "results", ())) != recorded:
@@ -218,8 +256,18 @@ _READS = ("__iter__", "__len__", "__bool__", "__getitem__", "__contains__", "__e
           "__gt__", "__ge__", "__radd__", "__mul__", "__rmul__", "__reversed__", "index", "count", "copy")
 
 
+def _changing(name: str):
+    def method(self, *args, **kwargs):
+        self._ddp_record.writes.append(f"{name}()")
+        return getattr(self._base, name)(self, *args, **kwargs)
+    method.__name__ = name
+    return method
+
+
 def _empty_probe_class(base: type) -> type:
-    namespace = {name: _reading(name) for name in _READS if hasattr(base, name)}
+    namespace = {name: _changing(name) for name in changing_methods(base) if name not in GROWS[base]} \
+        if base in GROWS else {}
+    namespace.update({name: _reading(name) for name in _READS if hasattr(base, name)})
     namespace.update(_base=base, __hash__=base.__hash__)
     return type(f"Empty{base.__name__.capitalize()}Probe", (_EmptyProbe, base), namespace)
 
@@ -236,8 +284,14 @@ class _Used:
         self.record = record if isinstance(record, _Record) else record.record
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        record = self.record
+        target = args[0] if args else None  # in place on a view: a change of the value
+        if getattr(target, "_ddp_record", None) is self and _write(record, name, args, kwargs, out, target):
+            return
+        if name in _ADD | _SUB and out is not None and any(getattr(a, "_ddp_record", None) is self for a in args):
+            record.sums.append(out)  # x[i] + 1: an index assignment of it is an increment
         if name not in _NO_READ and name not in _MOVES:
-            self.record.used = True
+            record.used = True
 
 
 def array_probe(array: Any) -> Any:
@@ -273,8 +327,8 @@ def make_probe(value: Any) -> Any:
         return tensor_probe(value)
     if numpy is not None and type(value) is numpy.ndarray:
         return array_probe(value)
-    if (type(value) is list or type(value) is tuple) and not value:
-        probe = (EmptyListProbe if type(value) is list else EmptyTupleProbe)()
+    if (type(value) is list or type(value) is tuple or (is_recording(value) and isinstance(value, list))) and not value:
+        probe = (EmptyListProbe if isinstance(value, list) else EmptyTupleProbe)()
         probe._ddp_record = _Record(probe)
         return probe
     return None
@@ -287,6 +341,13 @@ def handed_back(probe: Any, original: Any) -> bool:
         original.extend(list.__iter__(probe))
         return True
     return False
+
+
+def in_place_writes(probe: Any) -> list:
+    """The in-place changes of the probed value (or its views) a batch made that
+    the merge cannot replay as increments (``mul_()``, ``x[i] = 0``, ``.data``)."""
+    record = getattr(probe, "_ddp_record", None)
+    return list(dict.fromkeys(getattr(record, "writes", ())))
 
 
 def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:

@@ -175,6 +175,7 @@ class StageBook:
         """One process that evaluated every batch: probes out, nothing to merge."""
         self.metrics.finish(self.brain, positions)
         self.attributes.finish(positions)
+        self.attributes.restore()
 
     def apply(self, merged: StageMerge, layouts: Sequence[Mapping[str, Any]], winners: Mapping[str, int],
               won: Sequence[Mapping[str, bytes]], rank: Optional[int] = None, stage: str = "") -> None:
@@ -189,7 +190,10 @@ class StageBook:
             winner = winners.get(label)
             return ELSEWHERE if winner == rank else pickle.loads(won[winner][label])
 
-        self.attributes.apply(merged.attributes.merged, self.locate, last_value)
+        try:
+            self.attributes.apply(merged.attributes.merged, self.locate, last_value)
+        finally:
+            self.attributes.restore()
 
     def locate(self, label: str) -> Tuple[Any, Any]:
         """``(owner, name)`` of a watched label."""
@@ -198,8 +202,9 @@ class StageBook:
         return resolve(self.brain, label) if "." in label else (self.brain, label)
 
     def release(self) -> None:
-        """The stage ended by an exception: plain numbers and factories back."""
+        """The stage ended by an exception: plain numbers, factories and containers back."""
         self.attributes.release()
+        self.attributes.restore()
 
 
 def simulate(positions_per_rank: Sequence[Sequence[int]], make, batch, config) -> Tuple[List[Any], List[Collected],

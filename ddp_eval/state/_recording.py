@@ -1,0 +1,191 @@
+"""Containers that note the operations a stage's batches call on them.
+
+A list sorted after each append, a set an element is discarded from, a deque
+with ``maxlen``: on one rank these may change nothing (a one-entry list is
+sorted; the element is absent), while in one process, holding every rank's
+entries, they reorder or remove. No look at the value can see them. So for the
+stage, each container a watched attribute holds at stage start (``list``,
+``dict``, ``set``, ``collections.deque``, ``Counter``, ``OrderedDict``,
+``defaultdict``, ``bytearray``) is replaced by a *recording* copy: an instance
+of a subclass whose methods note their names, then do what the type does. At
+stage end (or when the stage is abandoned) its contents go back into the
+original object, which the attribute holds again.
+
+Which methods change a container is taken from the type itself: every method
+its ``dir()`` lists, except those its immutable counterpart also has (a
+tuple's, a frozenset's, bytes', a mapping proxy's) and the few that build a new
+object (``copy``), with in-place operators (``__ior__``) always counted. A
+method a future Python adds is therefore counted as a change. The changes the
+merge replays (:data:`GROWS`: a list's appends, a dict's new and changed
+entries, a set's additions) are not noted; any other is, and names the
+attribute at stage end.
+
+Example
+-------
+>>> scores = recording_copy([3.0])
+>>> scores.append(1.0); scores.sort()
+>>> scores.ops, type(scores).__name__, scores == [1.0, 3.0]
+(['sort'], 'RecordingList', True)
+>>> plain_copy = restore(scores, original=[3.0])
+>>> plain_copy, type(plain_copy) is list
+([1.0, 3.0], True)
+"""
+
+import collections
+import types
+from typing import Any, Dict, FrozenSet, List, Optional
+
+_FROZEN = {list: tuple, bytearray: bytes, set: frozenset, dict: types.MappingProxyType, collections.deque: tuple}
+# methods that build a new object, never change this one
+_BUILDS = frozenset({"copy", "__copy__", "__deepcopy__", "__reversed__", "fromkeys", "elements", "most_common",
+                     "total", "__alloc__", "__reduce__", "__reduce_ex__", "__class_getitem__", "__missing__",
+                     "__add__", "__sub__", "__and__", "__or__", "__xor__", "__neg__", "__pos__", "__mul__"})
+# what the merge replays, by the builtin type it rests on
+GROWS: Dict[type, FrozenSet[str]] = {
+    list: frozenset({"append", "extend", "__iadd__", "__setitem__"}),
+    bytearray: frozenset({"append", "extend", "__iadd__", "__setitem__"}),
+    dict: frozenset({"__setitem__", "setdefault", "update", "__ior__", "subtract"}),
+    set: frozenset(),  # not merged: any change is named
+    collections.deque: frozenset(),  # not merged: any change is named
+}
+# what to do instead of an operation the merge cannot replay, by the builtin type
+REMEDY = {
+    list: "ddp_eval merges a list that batches append to or extend; sort, insert or remove in on_stage_end",
+    bytearray: "ddp_eval merges a bytearray that batches append to or extend; change it otherwise in on_stage_end",
+    dict: "ddp_eval merges a dict whose batches add or change entries; remove or reorder entries in on_stage_end",
+    set: "keep the elements as keys of a dict (d[x] = True) or in a list, and build the set in on_stage_end",
+    collections.deque: "append to a list and keep its last entries in on_stage_end",
+}
+TYPES = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict, collections.defaultdict,
+         bytearray)
+
+
+def _builtin(kind: type) -> type:
+    return next(base for base in kind.__mro__ if base in _FROZEN)
+
+
+def changing_methods(kind: type) -> List[str]:
+    """The methods of ``kind`` that may change an instance, from its ``dir()``.
+
+    Example
+    -------
+    >>> changing_methods(list)
+    ['__delitem__', '__iadd__', '__imul__', '__setitem__', 'append', 'clear', 'extend', 'insert', 'pop', 'remove', \
+'reverse', 'sort']
+    """
+    frozen = set(dir(_FROZEN[_builtin(kind)])) | set(dir(object))
+    return sorted(name for name in dir(kind) if callable(getattr(kind, name, None)) and name not in _BUILDS
+                  and (name not in frozen or (name.startswith("__i") and name not in ("__init__", "__iter__",
+                                                                                      "__init_subclass__"))))
+
+
+def _noting(kind: type, name: str):
+    method = getattr(kind, name)
+
+    def noted(self, *args, **kwargs):
+        if self._depth == 0 and name not in self._grows:
+            self.ops.append(name)
+        self._depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+    noted.__name__ = name
+    return noted
+
+
+class _Recording:
+    """What every recording class shares: the names of the operations noted."""
+
+    _depth = 0
+
+    def __reduce__(self):  # pickles and copies as the plain container
+        return _rebuild, (self._kind, _contents(self), _extra(self))
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
+
+
+def _contents(value: Any) -> Any:
+    builtin = _builtin(type(value))
+    return list(value.items()) if builtin is dict else list(builtin.__iter__(value))
+
+
+def _extra(value: Any) -> Any:
+    if isinstance(value, collections.defaultdict):
+        return value.default_factory
+    if isinstance(value, collections.deque):
+        return value.maxlen
+    return None
+
+
+def _rebuild(kind: type, contents: list, extra: Any) -> Any:
+    if kind is collections.defaultdict:
+        return collections.defaultdict(extra, contents)
+    if kind is collections.deque:
+        return collections.deque(contents, extra)
+    return kind(dict(contents)) if _builtin(kind) is dict else kind(contents)
+
+
+def _recording_class(kind: type) -> type:
+    grows = GROWS[_builtin(kind)]
+    namespace = {name: _noting(kind, name) for name in changing_methods(kind)}
+    namespace.update(_kind=kind, _grows=grows, __module__=__name__)
+    name = "Recording" + kind.__name__[:1].upper() + kind.__name__[1:]
+    return type(name, (_Recording, kind), namespace)
+
+
+_CLASSES = {kind: _recording_class(kind) for kind in TYPES}
+globals().update({cls.__name__: cls for cls in _CLASSES.values()})  # pickle finds them by name
+
+
+def recording_copy(value: Any) -> Optional[Any]:
+    """A recording copy of a container of one of :data:`TYPES` (exactly that type), else None."""
+    cls = _CLASSES.get(type(value))
+    if cls is None:
+        return None
+    builtin = _builtin(type(value))
+    if type(value) is collections.defaultdict:
+        copy = cls(value.default_factory)
+    elif builtin is collections.deque:
+        copy = cls((), value.maxlen)
+        copy._grows = frozenset() if value.maxlen is not None else copy._grows  # appends drop entries: named
+    else:
+        copy = cls()
+    copy.ops = []
+    _fill(copy, value, type(value))
+    return copy
+
+
+def _fill(target: Any, source: Any, kind: type) -> None:
+    """Adds ``source``'s contents to an empty ``target`` with ``kind``'s own methods
+    (an OrderedDict keeps its order beside the dict's)."""
+    if _builtin(kind) is dict:
+        kind.update(target, source)
+    else:
+        (kind.update if kind is set else kind.extend)(target, _builtin(kind).__iter__(source))
+
+
+def is_recording(value: Any) -> bool:
+    return isinstance(value, _Recording)
+
+
+def unmergeable_operations(recorded: Any) -> Optional[str]:
+    """Why the operations noted on ``recorded`` cannot be merged, and what to do; None if none were noted."""
+    if not recorded.ops:
+        return None
+    kind = _builtin(recorded._kind)
+    called = ", ".join(f"{name}()" for name in dict.fromkeys(recorded.ops))
+    return (f"a batch called {called} on this {recorded._kind.__name__}, which ddp_eval cannot replay in one "
+            f"process's order (on one rank it may change nothing, with every rank's entries it would): "
+            f"{REMEDY[kind]}")
+
+
+def restore(recorded: Any, original: Any) -> Any:
+    """Puts what ``recorded`` holds into ``original`` (the object it stood for) and
+    gives ``original``; a deque's and a defaultdict's settings are kept."""
+    kind = type(original)
+    kind.clear(original)
+    _fill(original, recorded, kind)
+    return original
+
