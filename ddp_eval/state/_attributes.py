@@ -53,9 +53,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ddp_eval.errors import ConfigError
-from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._recording import REMEDY, recording_copy, restore, unmergeable_operations
+from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
 from ddp_eval.state._rebuilt import (
     extends,
     handed_back,
@@ -65,6 +64,7 @@ from ddp_eval.state._rebuilt import (
     read_rebuilt,
     shares_entries,
 )
+from ddp_eval.state._recording import REMEDY, recording_copy, restore, unmergeable_operations
 from ddp_eval.state._values import (
     ABSENT,
     ELSEWHERE,
