@@ -15,7 +15,6 @@ profile; the full suite a longer one.
 """
 
 import collections
-import sys
 
 import numpy as np
 import pytest
@@ -28,20 +27,6 @@ from ddp_eval.config import DDPEvalConfig
 from ddp_eval.errors import DDPEvalError
 from ddp_eval.stage._verify import first_difference
 from ddp_eval.state.bookkeeping import simulate
-
-
-def _forget_lazy_modules_that_cannot_import():
-    """Hypothesis reads ``__file__`` of every module in ``sys.modules``; SpeechBrain's
-    lazy modules of optional integrations (k2) raise ImportError there."""
-    for name, module in list(sys.modules.items()):
-        if type(module).__name__.endswith(("LazyModule", "Redirect")):
-            try:
-                getattr(module, "__file__", None)
-            except ImportError:
-                del sys.modules[name]
-
-
-_forget_lazy_modules_that_cannot_import()
 
 
 class RecipeStats(MetricStats):

@@ -62,6 +62,7 @@ from ddp_eval.state._rebuilt import (
     make_probe,
     plain_value,
     read_rebuilt,
+    read_through_data,
     shares_entries,
 )
 from ddp_eval.state._recording import REMEDY, recording_copy, restore, unmergeable_operations
@@ -77,7 +78,16 @@ from ddp_eval.state._values import (
     numpy,
     set_value,
 )
-from ddp_eval.state._watches import ArrayWatch, BoundWatch, DictWatch, ListWatch, TensorWatch, make_watch
+from ddp_eval.state._watches import (
+    ArrayWatch,
+    BoundWatch,
+    DictWatch,
+    ListWatch,
+    ObjectWatch,
+    SetWatch,
+    TensorWatch,
+    make_watch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +172,7 @@ class Slot:
         """Whether it needs a look at every batch (a number with probes, a container,
         a tensor or an array); otherwise its identity tells whether a batch changed it."""
         return self.why is None and ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj)
+                                     or isinstance(self.watch, ObjectWatch)
                                      or (type(self.obj) is tuple and not self.obj))  # an empty tuple's probe
 
     def before_batch(self) -> None:
@@ -234,6 +245,8 @@ class Slot:
         what, data = read_rebuilt(probe, value)
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain tensor, array or list back
+            if read_through_data(probe) and isinstance(self.watch, TensorWatch):
+                self.watch.look_by_value()  # x.data += y moves no _version
             return None, self.obj
         if appended:
             self.fail("a batch appended to it, then bound a new value to it")
@@ -280,6 +293,10 @@ class Slot:
                           "as the previous one followed by new entries (e.g. sorted(x + [y]), a filter), so ddp_eval "
                           "cannot tell how to merge it; append, or compute it in on_stage_end")
                 return True
+        if any(value is built for built in getattr(self.recorded, "built", ())):
+            self.fail("a batch bound a new set computed from the previous one (s = s | {x}), which ddp_eval "
+                      "cannot tell from a set made anew; add in place (s |= {x}, s.add(x)), which merges as a union")
+            return True
         if self.events and not is_number(value) and not is_number(self.obj):  # set anew after rebuilds
             self.events.append((batch, "=", plain_value(value)))
             self.obj = value
@@ -316,7 +333,7 @@ class Slot:
         self.watch = make_watch(self, value, created_at=batch if self.created else None, bound=not self.created)
         return True
 
-    def adopt(self, batch: int, value: Any, initial: Any, ops: List[Tuple[str, Any]]) -> None:
+    def adopt(self, batch: int, value: Any, initial: Any, ops: List[Tuple[str, Any]], factory: Any = None) -> None:
         """A new dict entry its defaultdict's factory made (``d[k] += 1``,
         ``d[k].append(x)``) or a Counter's new count: it starts from the
         factory's value, as in one process, instead of being bound."""
@@ -327,7 +344,7 @@ class Slot:
             set_value(self.owner, self.name, self.obj)
         else:
             self.obj = value
-            self.watch = make_watch(self, value, created_at=batch)
+            self.watch = make_watch(self, value, created_at=batch, factory=factory)
         self.changed_batches += 1
 
     def release(self) -> None:
@@ -418,7 +435,7 @@ class Slot:
             value = data if data is not ELSEWHERE else last_value()
             if value is not ELSEWHERE:  # ELSEWHERE: this rank's own object won
                 set_value(self.owner, self.name, value)
-        elif isinstance(self.watch, _WATCHES[kind]) and self.watch.obj is get_value(self.owner, self.name):
+        elif isinstance(self.watch, _WATCHES[kind]) and self.watch.holds(get_value(self.owner, self.name)):
             self.watch.apply(kind, data, last_value)
         else:
             _apply_from_nothing(self, kind, data, last_value)
@@ -426,18 +443,22 @@ class Slot:
 
 _PROBED_CONTAINERS = {torch.Tensor, list, tuple} | ({numpy.ndarray} if numpy is not None else set())
 
-_WATCHES = {Kind.APPEND: ListWatch, Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch, Kind.SUM: (TensorWatch, ArrayWatch),
-            Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}
+_WATCHES = {Kind.UNION: SetWatch, Kind.APPEND: ListWatch, Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch,
+            Kind.SUM: (TensorWatch, ArrayWatch), Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}
 
 
 def _apply_from_nothing(slot: Slot, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
     """A merged change on a rank that never held the object (it had no batch)."""
     if kind is Kind.APPEND:
         set_value(slot.owner, slot.name, list(data))
+    elif kind is Kind.UNION:
+        set_value(slot.owner, slot.name, set(data))
     elif kind is Kind.KEYS:
-        created = {}
+        factory = getattr(slot.owner, "default_factory", None)  # an entry of a defaultdict: made as one process did
+        created = factory() if factory is not None else {}
         set_value(slot.owner, slot.name, created)
-        DictWatch(slot, created).apply(kind, data, last_value)
+        (DictWatch(slot, created) if isinstance(created, dict) else ObjectWatch(slot, created)).apply(
+            kind, data, last_value)
     else:
         value = None
         for increment in (data if kind is Kind.ACCUMULATE else [data]):

@@ -27,6 +27,9 @@ False
 True
 """
 
+import collections
+import io
+import pickle
 import zlib
 from typing import Any, List, Optional
 
@@ -47,6 +50,8 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
     kind = type(value)
     if isinstance(value, _SCALARS):
         return (kind.__name__ if kind in _SCALARS else "num", value if value == value else "nan")
+    if isinstance(value, bytearray):
+        return ("bytearray", bytes(value))
     if isinstance(value, torch.Tensor):
         held.append(value)
         # a tensor subclass (an FSDP DTensor) holds a shard only: by identity and version
@@ -71,10 +76,14 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
     if isinstance(value, (set, frozenset)):
         return ("set", len(value), hash(frozenset(map(id, value))) if not all(
             isinstance(x, _SCALARS) for x in value) else hash(frozenset(value)))
+    if isinstance(value, collections.deque):
+        return ("deque", value.maxlen, tuple(_leaf(x, held, depth + 1) for x in value))
     held.append(value)
     own = getattr(value, "__dict__", None)
-    if own is None or callable(value) or isinstance(value, (type, torch.nn.Module)):
+    if callable(value) or isinstance(value, (type, torch.nn.Module)):
         return ("object", id(value))
+    if own is None or type(value).__reduce_ex__ is not object.__reduce_ex__:  # state the engine cannot read
+        return ("object", id(value), opaque_digest(value))
     return ("object", id(value), tuple((k, _leaf(v, held, depth + 1)) for k, v in sorted(own.items(), key=str)
                                        if not callable(v)))
 
@@ -92,6 +101,39 @@ def _flat(entries: list, held: List[Any]) -> Any:
 
 
 _SCALAR_TYPES = {type(None), bool, int, float, complex, str, bytes}
+
+
+class _Digester(pickle.Pickler):
+    """Pickles an object's state for a digest; tensors and modules by identity
+    and version, not by their (large) contents."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return ("tensor", id(obj), obj._version)
+        if isinstance(obj, torch.nn.Module):
+            return ("module", id(obj))
+        return None
+
+
+def opaque_digest(value: Any) -> Optional[int]:
+    """A digest of what ``value`` pickles to (a deque, an object with ``__slots__``,
+    a random generator); None if it cannot be pickled (then only its identity counts).
+
+    Example
+    -------
+    >>> import random
+    >>> rng = random.Random(0)
+    >>> before = opaque_digest(rng)
+    >>> _ = rng.random()
+    >>> opaque_digest(rng) == before, opaque_digest(iter([1])) is None
+    (False, False)
+    """
+    buffer = io.BytesIO()
+    try:
+        _Digester(buffer, protocol=4).dump(value)
+    except Exception:  # a file, a generator, a lock: cannot be read
+        return None
+    return zlib.crc32(buffer.getbuffer())
 
 
 class Fingerprint:

@@ -169,6 +169,14 @@ def read_changes(root: _Probe, value: Any) -> Tuple[str, Any]:
     return ("derived" if root._used else "set"), plain(value)
 
 
+def origin_of(root: _Probe, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
+    """``(initial value, ops)`` of a number that started as probe ``root`` (handed
+    out by a factory or a ``get`` default) and became ``value`` by + and - (None:
+    set or derived otherwise)."""
+    what, data = read_changes(root, value)
+    return (plain(root), data if what == "ops" else []) if what in ("ops", "same") else None
+
+
 _APPLY = {"+": add, "-": subtract, "&": concat}
 
 
@@ -226,14 +234,37 @@ class Factory:
 
     def __init__(self, original) -> None:
         self.original = original
-        self.made: dict = {}  # id -> (object, probe or None), of this batch
+        self.made: dict = {}  # id -> (object, probe or None, {field: probe}), of this batch
 
     def __call__(self):
         value = self.original()
         root = probe(value) if type(value) in PROBED_TYPES else None
         handed = value if root is None else root
-        self.made[id(handed)] = (handed, root)
+        fields = {}
+        own = getattr(handed, "__dict__", None) if root is None else None
+        if isinstance(own, dict):  # an object (a dataclass, a metric object): its numbers probed from the start
+            for name, field in own.items():
+                if type(field) in (int, float):
+                    fields[name] = own[name] = probe(field)
+        self.made[id(handed)] = (handed, root, fields)
         return handed
+
+    def field_origin(self, obj: Any, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
+        """``(initial value, ops since)`` of a number field ``value`` of ``obj``, if
+        this factory made ``obj`` in this batch and probed that field; else None."""
+        made = self.made.get(id(obj))
+        if made is None or made[0] is not obj or not isinstance(value, _Probe):
+            return None
+        root = next((r for r in made[2].values() if r is value._origin), None)
+        return None if root is None else origin_of(root, value)
+
+    def unprobe(self) -> None:
+        """Plain numbers back in the fields of the objects made this batch (those no watch read)."""
+        for obj, _, fields in self.made.values():
+            for name in fields:
+                field = obj.__dict__.get(name)
+                if isinstance(field, _Probe):
+                    obj.__dict__[name] = plain(field)
 
     def origin(self, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
         """``(factory value, ops since)`` if the factory made ``value`` (or a
@@ -244,5 +275,4 @@ class Factory:
             return None
         if made[1] is None:
             return value, []
-        what, data = read_changes(made[1], value)
-        return (plain(made[1]), data if what == "ops" else []) if what in ("ops", "same") else None
+        return origin_of(made[1], value)

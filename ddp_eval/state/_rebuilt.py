@@ -37,6 +37,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ddp_eval.state import _recording
 from ddp_eval.state._recording import GROWS, changing_methods, is_recording
 from ddp_eval.state._values import is_array, numpy
 
@@ -80,7 +81,8 @@ def _write(record: Any, name: str, args: tuple, kwargs: dict, out: Any, target: 
             record.writes.append("index assignment of a value not computed from it by + or -")
         return True
     if name == "data.__set__" and args and args[0] is target:
-        record.writes.append("a write through .data")
+        if not any(args[1] is s for s in record.sums):  # x.data += y is an increment; x.data = y is not
+            record.writes.append("a write through .data")
         return True
     into = kwargs.get("out")
     if out is None or not (out is target or (into is target and out is into)) or not (args and (
@@ -99,10 +101,11 @@ class _Record:
     (or its views) by ``+`` or ``-`` (``sums``) and in-place changes the merge
     cannot replay as increments (``writes``)."""
 
-    __slots__ = ("root", "used", "results", "sums", "writes")
+    __slots__ = ("root", "used", "results", "sums", "writes", "aliased")
 
     def __init__(self, root: Any) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
+        self.aliased = False  # .data was read: a change through it moves no _version
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         root = self.root
@@ -119,6 +122,9 @@ class _Record:
             rest = [_plain(x) for x in args[0][1:]]
             tail = rest[0] if len(rest) == 1 else _cat(rest)
             self._result(out, "&", tail)
+        elif (name == "append" and len(args) == 2 and args[0] is root and getattr(root, "ndim", 0) == 1
+              and kwargs.get("axis") is None):  # numpy.append of a 1-d array: concatenation
+            self._result(out, "&", numpy.ravel(_plain(args[1])))
         elif name not in _MOVES:
             self.used = True
 
@@ -155,6 +161,9 @@ class TensorProbe(torch.Tensor):
             record.note(name, args, kwargs, out)
             if len(getattr(record, "results", ())) != recorded:
                 pass  # x + y, torch.cat([x, y]): a result the merge may replay, handed out as it is
+            elif name == "data.__get__" and type(out) is torch.Tensor:  # an alias with a version of its own
+                out = _child(out, record)
+                (record.record if isinstance(record, _Used) else record).aliased = True
             elif name in _MOVES and type(out) is torch.Tensor:
                 out = out.as_subclass(TensorProbe)
                 out._ddp_record = _Used(record)
@@ -343,11 +352,16 @@ def handed_back(probe: Any, original: Any) -> bool:
     return False
 
 
+def read_through_data(probe: Any) -> bool:
+    """Whether a batch read ``.data`` of the probed tensor (changes through it move no ``_version``)."""
+    return bool(getattr(getattr(probe, "_ddp_record", None), "aliased", False))
+
+
 def in_place_writes(probe: Any) -> list:
     """The in-place changes of the probed value (or its views) a batch made that
     the merge cannot replay as increments (``mul_()``, ``x[i] = 0``, ``.data``)."""
     record = getattr(probe, "_ddp_record", None)
-    return list(dict.fromkeys(getattr(record, "writes", ())))
+    return list(dict.fromkeys(getattr(record, "writes", ()))) if _recording.ENABLED else []
 
 
 def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:

@@ -43,19 +43,20 @@ _BUILDS = frozenset({"copy", "__copy__", "__deepcopy__", "__reversed__", "fromke
 # what the merge replays, by the builtin type it rests on
 GROWS: Dict[type, FrozenSet[str]] = {
     list: frozenset({"append", "extend", "__iadd__", "__setitem__"}),
-    bytearray: frozenset({"append", "extend", "__iadd__", "__setitem__"}),
+    bytearray: frozenset({"append", "extend", "__iadd__"}),
     dict: frozenset({"__setitem__", "setdefault", "update", "__ior__", "subtract"}),
-    set: frozenset(),  # not merged: any change is named
+    set: frozenset({"add", "update", "__ior__"}),  # merged as a union
     collections.deque: frozenset(),  # not merged: any change is named
 }
 # what to do instead of an operation the merge cannot replay, by the builtin type
 REMEDY = {
     list: "ddp_eval merges a list that batches append to or extend; sort, insert or remove in on_stage_end",
-    bytearray: "ddp_eval merges a bytearray that batches append to or extend; change it otherwise in on_stage_end",
+    bytearray: "ddp_eval merges a bytearray that batches append to or extend; change its bytes in on_stage_end",
     dict: "ddp_eval merges a dict whose batches add or change entries; remove or reorder entries in on_stage_end",
-    set: "keep the elements as keys of a dict (d[x] = True) or in a list, and build the set in on_stage_end",
+    set: "ddp_eval merges a set that batches add to (add, update, |=) as a union; remove elements in on_stage_end",
     collections.deque: "append to a list and keep its last entries in on_stage_end",
 }
+ENABLED = True  # the operations seen and the stage-end checks by value; tests switch them off to show they matter
 TYPES = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict, collections.defaultdict,
          bytearray)
 
@@ -127,9 +128,50 @@ def _rebuild(kind: type, contents: list, extra: Any) -> Any:
     return kind(dict(contents)) if _builtin(kind) is dict else kind(contents)
 
 
+def _handing_probe(method):
+    """``get``/``setdefault`` of a dict kind: a number default for a missing key is
+    handed out as a probe, so ``d[k] = d.get(k, 0) + 1`` is known to start from 0
+    and add 1, and an empty container default is remembered, so that
+    ``d.setdefault(k, []).append(x)`` is known to start empty, as a
+    ``defaultdict``'s entry does (:meth:`ddp_eval.state._watches.DictWatch._made`),
+    on any rank."""
+    def handing(self, key, default=None):
+        if not dict.__contains__(self, key):
+            if type(default) in (int, float):
+                from ddp_eval.state._probes import probe  # (an import cycle at module level)
+                default = probe(default)
+                self.handed[id(default)] = default
+            elif type(default) in (list, dict, set) and not default:  # setdefault(k, []).append(x)
+                self.handed[id(default)] = default
+        return method(self, key, default)
+    handing.__name__ = method.__name__
+    return handing
+
+
+# methods that build a new set from this one (s = s | {x}): their results are kept, to be told apart
+_BUILDS_SET = ("__or__", "__ror__", "union", "__and__", "__rand__", "intersection", "__sub__", "__rsub__",
+               "difference", "__xor__", "__rxor__", "symmetric_difference", "copy")
+
+
+def _keeping_result(kind: type, name: str):
+    method = getattr(kind, name)
+
+    def keeping(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        self.built.append(result)
+        return result
+    keeping.__name__ = name
+    return keeping
+
+
 def _recording_class(kind: type) -> type:
     grows = GROWS[_builtin(kind)]
     namespace = {name: _noting(kind, name) for name in changing_methods(kind)}
+    if _builtin(kind) is dict:
+        namespace["setdefault"] = _handing_probe(namespace["setdefault"])
+        namespace["get"] = _handing_probe(kind.get)
+    if _builtin(kind) is set:
+        namespace.update({name: _keeping_result(kind, name) for name in _BUILDS_SET if hasattr(kind, name)})
     namespace.update(_kind=kind, _grows=grows, __module__=__name__)
     name = "Recording" + kind.__name__[:1].upper() + kind.__name__[1:]
     return type(name, (_Recording, kind), namespace)
@@ -142,7 +184,7 @@ globals().update({cls.__name__: cls for cls in _CLASSES.values()})  # pickle fin
 def recording_copy(value: Any) -> Optional[Any]:
     """A recording copy of a container of one of :data:`TYPES` (exactly that type), else None."""
     cls = _CLASSES.get(type(value))
-    if cls is None:
+    if cls is None or not ENABLED:
         return None
     builtin = _builtin(type(value))
     if type(value) is collections.defaultdict:
@@ -152,7 +194,7 @@ def recording_copy(value: Any) -> Optional[Any]:
         copy._grows = frozenset() if value.maxlen is not None else copy._grows  # appends drop entries: named
     else:
         copy = cls()
-    copy.ops = []
+    copy.ops, copy.handed, copy.built = [], {}, []
     _fill(copy, value, type(value))
     return copy
 

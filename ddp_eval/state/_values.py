@@ -67,6 +67,7 @@ class Kind(str, enum.Enum):
     ACCUMULATE = "accumulate"
     LAST = "last"
     ITEMS = "items"
+    UNION = "union"
 
 
 class Change(NamedTuple):
@@ -107,7 +108,7 @@ def get_value(owner: Any, name: Any) -> Any:
 
 def is_mutable(value: Any) -> bool:
     """Whether a batch may change ``value`` in place in a way ddp_eval watches."""
-    return isinstance(value, (list, dict, torch.Tensor)) or is_array(value)
+    return isinstance(value, (list, dict, bytearray, torch.Tensor)) or is_array(value)
 
 
 def set_value(owner: Any, name: Any, value: Any) -> None:

@@ -34,9 +34,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ddp_eval import sb_compat
+from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
 from ddp_eval.state._order import as_chunks, growth_since
-from ddp_eval.state._probes import PROBED_TYPES, Factory, plain
+from ddp_eval.state._probes import PROBED_TYPES, Factory, is_probe, origin_of, plain
 from ddp_eval.state._values import (
     ABSENT,
     MAX_DEPTH,
@@ -75,6 +76,10 @@ class Watch:
 
     def before_batch(self) -> None:
         pass
+
+    def holds(self, value: Any) -> bool:
+        """Whether the attribute's ``value`` is the object this watch follows."""
+        return value is self.obj
 
     def observe(self, batch: int, value: Any) -> bool:
         return False
@@ -166,7 +171,9 @@ class ListWatch(Watch):
         self.start_len = 0 if created_at is not None else len(obj)
         self.length = self.start_len
         self.changes = array.array("q")  # batch, length after it, batch, length, ...
-        watched = created_at is None and 0 < len(obj) <= SMALL_DICT and slot.depth < MAX_DEPTH
+        self.pieces: list = []  # what batches appended, read right after each (checked at stage end)
+        watched = created_at is None and 0 < len(obj) <= SMALL_DICT and slot.depth < MAX_DEPTH and \
+            isinstance(obj, list)
         self.entries = {i: _entry(self, i, obj[i]) for i in range(len(obj))} if watched else {}
         self.active = {i for i, entry in self.entries.items() if entry.busy()}
         self.idle = None  # the entries not in active, and their objects (see _idle_moved)
@@ -189,6 +196,7 @@ class ListWatch(Watch):
             self.slot.fail("entries were removed from the list")
             return True
         if len(value) > self.length:
+            self.pieces.extend(value[self.length:])
             self.length = len(value)
             self.changes.extend((batch, self.length))
             changed = True
@@ -204,8 +212,14 @@ class ListWatch(Watch):
         return Kind.ITEMS if self.entries else Kind.APPEND
 
     def finish(self) -> None:
-        """The entries the list held at stage start must be what the record says."""
+        """Replay equality: the list must hold its stage-start entries (as the record
+        says) followed by what each batch appended, read right after it (by identity)."""
         _finish_entries(self)
+        if self.slot.why is None and _recording.ENABLED and (len(self.obj) != self.start_len + len(self.pieces) or any(
+                map(operator.is_not, itertools.islice(self.obj, self.start_len, None), self.pieces))):
+            self.slot.fail("the entries batches appended were later reordered or replaced in place, which "
+                           "ddp_eval cannot replay in one process's order; append only, and sort or edit the "
+                           "list in on_stage_end")
         if self.slot.why is None and unexplained(self.kept, self.obj[: self.start_len]):
             self.slot.fail(f"entries it held at stage start (more than {SMALL_DICT}, so not watched one by one) "
                            "were changed in place, which ddp_eval does not record for such lists; keep per-class "
@@ -227,7 +241,7 @@ class ListWatch(Watch):
     def apply(self, kind: Kind, merged: Any, last_value: Callable[[], Any]) -> None:
         items, entries = merged if kind is Kind.ITEMS else (merged, {})
         current = get_value(self.slot.owner, self.slot.name)
-        if not isinstance(current, list):
+        if not isinstance(current, (list, bytearray)):
             current = []
             set_value(self.slot.owner, self.slot.name, current)
         del current[self.start_len if current is self.obj else 0:]
@@ -327,11 +341,16 @@ class DictWatch(Watch):
 
     def before_batch(self) -> None:
         if self.factory is not None:
+            self.factory.unprobe()  # fields of objects it made that no watch took over
             self.factory.made.clear()
+        if getattr(self.obj, "handed", None):
+            self.obj.handed.clear()
         for key in self.active:  # the others hold what they held: nothing to prepare
             self.entries[key].before_batch()
 
     def release(self) -> None:
+        if self.factory is not None:
+            self.factory.unprobe()
         if self.factory is not None and self.obj.default_factory is self.factory:
             self.obj.default_factory = self.factory.original
         for entry in self.entries.values():
@@ -352,7 +371,7 @@ class DictWatch(Watch):
                 entry.hot = self.length - self.start_len <= EAGER_NEW_KEYS  # few new keys: counters, stats
                 made = self._made(value[key])
                 if made is not None:
-                    entry.adopt(batch, value[key], *made)
+                    entry.adopt(batch, value[key], *made, factory=self.factory)
                     adopted.add(key)
             changed = True
         changed = _look_at_entries(self, batch, value, adopted) or changed
@@ -364,7 +383,14 @@ class DictWatch(Watch):
         """``(initial value, ops)`` of a new entry its defaultdict's factory made, or
         of a new count of a Counter (which counts from 0); else None."""
         if self.factory is not None:
-            return self.factory.origin(value)
+            made = self.factory.origin(value)
+            if made is not None:
+                return made
+        handed = getattr(self.obj, "handed", None)  # d.get(k, 0) + 1, d.setdefault(k, []): a recording dict's
+        if handed and is_probe(value) and id(value._origin) in handed:
+            return origin_of(handed[id(value._origin)], value)
+        if handed and handed.get(id(value)) is value:
+            return value, []
         if isinstance(self.obj, collections.Counter) and type(value) in PROBED_TYPES:
             return 0, [("+", value)]
         return None
@@ -417,6 +443,75 @@ class DictWatch(Watch):
             entry.apply(entry_kind, data, lambda label=entry.label: last_value(label))
 
 
+class ObjectWatch(DictWatch):
+    """A plain object of the recipe's own (a dataclass, a ``SimpleNamespace``, any
+    object with a ``__dict__`` that is not a module, a metric object or code): its
+    fields, watched and merged as a dict's entries are (``KEYS`` of its
+    ``__dict__``). One a ``defaultdict``'s factory made during the stage starts
+    from what the factory made, its number fields probed from the start."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None, factory: Any = None) -> None:
+        self.target, self.maker = obj, factory
+        super().__init__(slot, vars(obj), created_at)
+
+    def holds(self, value: Any) -> bool:
+        return value is self.target
+
+    def observe(self, batch: int, value: Any) -> bool:
+        return super().observe(batch, value if value is self.obj else vars(value))
+
+    def _made(self, value: Any) -> Any:
+        """``(initial value, ops)`` of a number field of an object the factory made this batch."""
+        return None if self.maker is None else self.maker.field_origin(self.target, value)
+
+
+def is_plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object of the recipe's own whose fields ddp_eval watches
+    (see :class:`ObjectWatch`)."""
+    own = getattr(value, "__dict__", None)
+    return (isinstance(own, dict) and not isinstance(value, _CONTAINERS) and not callable(value)
+            and not isinstance(value, (type, torch.nn.Module))
+            and not sb_compat.holds_scratch_state(value) and not _is_metric_object(value)
+            and type(value).__module__.split(".")[0] not in ("torch", "numpy", "speechbrain", "logging", "io"))
+
+
+_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque, bytearray, str, bytes, int, float, complex)
+
+
+def _is_metric_object(value: Any) -> bool:
+    return any(cls.__name__ in ("MetricStats", "MultiMetricStats", "AccuracyStats") for cls in type(value).__mro__)
+
+
+class SetWatch(Watch):
+    """A set that batches add elements to (``add``, ``update``, ``|=``; other
+    operations are named by its recording copy): the elements it gained,
+    merged as a union (``UNION``)."""
+
+    def __init__(self, slot: Any, obj: set, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.length = 0 if created_at is not None else len(obj)
+        self.start = set() if created_at is not None else set(obj)  # elements, not a copy of what they hold
+        if created_at is not None and obj:
+            self.last_change = created_at
+
+    def observe(self, batch: int, value: Any) -> bool:
+        if len(value) == self.length:
+            return False
+        if len(value) < self.length:
+            self.slot.fail("elements were removed from the set")
+        self.length, self.last_change = len(value), batch
+        return True
+
+    def kind(self) -> Optional[Kind]:
+        return Kind.UNION if self.last_change >= 0 else None
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        return {plain(x) for x in self.obj if x not in self.start}
+
+    def apply(self, kind: Kind, merged: Any, last_value: Callable[[], Any]) -> None:
+        self.obj |= merged
+
+
 class TensorWatch(Watch):
     """A tensor of fixed shape changed in place (``_version``): integers as one
     increment per rank (``SUM``), floats as per-batch increments within the
@@ -454,6 +549,34 @@ class TensorWatch(Watch):
         self.version = value._version
         self._changed(batch, value)
         return True
+
+    def look_by_value(self) -> None:
+        """The next :meth:`observe` compares values: the tensor may have changed
+        without moving its ``_version`` (through ``.data``)."""
+        if not torch.equal(self.obj.detach().cpu(), self._last_value()):
+            self.version = None
+
+    def _last_value(self) -> torch.Tensor:
+        """What the record says the tensor holds now (its value after the last change seen)."""
+        if self.previous is not None:
+            return self.previous
+        if self.base is not None and not self.changed:
+            return self.base
+        return torch.zeros(self.spec[0], dtype=self.spec[1]) if self.zero_start and not self.changed else \
+            self.obj.detach().cpu()  # an exact dtype changed before, or over budget: totals at stage end
+
+    def finish(self) -> None:
+        """Replay equality: a tensor whose ``_version`` did not move since the last
+        change seen must hold what the record says (a write through ``.data`` or
+        ``.numpy()`` moves no version)."""
+        if self.obj._version != self.version or (self.base is None and not self.zero_start) or not _recording.ENABLED:
+            return
+        if self.changed and (exact_dtype(self.obj) or self.totals):
+            return  # one increment per rank, read from the value at stage end
+        if not torch.equal(self.obj.detach().cpu(), self._last_value()):
+            self.slot.fail("it changed in place without moving its _version (a write through .data or "
+                           ".numpy()), which ddp_eval does not see batch by batch; change it with +=, add_() or "
+                           "index_add_(), or compute it in on_stage_end")
 
     def _changed(self, batch: int, value: Any) -> None:
         self.changed, self.last_change = True, batch
@@ -615,15 +738,22 @@ class ArrayWatch(Watch):
             set_value(self.slot.owner, self.slot.name, value.astype(self.spec[1], copy=False))
 
 
-def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None, bound: bool = False) -> Watch:
+def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None, bound: bool = False,
+               factory: Any = None) -> Watch:
     """The watch of ``obj``'s in-place changes, by its kind (``bound``: an object a
-    batch bound anew, whose in-place changes are not merged)."""
+    batch bound anew, whose in-place changes are not merged; ``factory``: the
+    defaultdict factory that made ``obj`` during the batch ``created_at``)."""
     if bound:
         return BoundWatch(slot, obj)
-    if isinstance(obj, list):
+    made = created_at is None or factory is not None  # held at stage start, or made by a factory
+    if obj is not ABSENT and made and slot.depth < MAX_DEPTH and is_plain_object(obj):
+        return ObjectWatch(slot, obj, created_at, factory)
+    if isinstance(obj, (list, bytearray)):
         return ListWatch(slot, obj, created_at)
     if isinstance(obj, dict):
         return DictWatch(slot, obj, created_at)
+    if isinstance(obj, set) and created_at is None:
+        return SetWatch(slot, obj, created_at)
     if isinstance(obj, torch.Tensor):
         return TensorWatch(slot, obj, created_at)
     if is_array(obj):

@@ -14,6 +14,7 @@ the lower index comes first.
   where there was none (``~``), or a dict entry's first change seen before it had
   a probe (``?``), is an addend if anything is added to the attribute, else an
   assignment.
+* ``UNION``: the elements every contribution added to a set;
 * ``APPEND``: entries in global batch order; ``KEYS``: new keys in the order of
   their first addition, entries merged one by one; ``SUM``: increments summed;
   ``ACCUMULATE``: increments in global batch order (per-rank totals, over the
@@ -229,6 +230,12 @@ def _merge_accumulate(label: str, per_contribution: Sequence[Any], result: "Merg
     return totals
 
 
-_MERGERS = {Kind.FOLD: _merge_fold, Kind.APPEND: _merge_append, Kind.KEYS: _merge_keys, Kind.ITEMS: _merge_items,
+def _merge_union(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> Any:
+    """Elements sets gained: their union (a set has no order to keep)."""
+    return set().union(*per_contribution)
+
+
+_MERGERS = {Kind.UNION: _merge_union,
+            Kind.FOLD: _merge_fold, Kind.APPEND: _merge_append, Kind.KEYS: _merge_keys, Kind.ITEMS: _merge_items,
             Kind.SUM: _merge_sum,
             Kind.ACCUMULATE: _merge_accumulate}

@@ -43,6 +43,7 @@ import pickle
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ddp_eval.state._attributes import AttributeTracker, resolve
+from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
 from ddp_eval.state._values import ELSEWHERE, is_training_machinery
 from ddp_eval.state.attribute_merge import MergeResult, last_candidates, last_writer, merge_attribute_states
@@ -118,6 +119,7 @@ class StageBook:
             if "." in path and path not in config.attributes_exclude:
                 targets[path] = resolve(brain, path)
         self.attributes = AttributeTracker(targets, config.attribute_memory_mb)
+        self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
         self._names_of: Tuple[Any, Any] = (None, None)  # (the Brain's attribute names, holders) last looked at
 
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
@@ -132,20 +134,26 @@ class StageBook:
         return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n)))
 
     def start(self) -> None:
-        """Right before the first batch: numbers and tensors get their probes."""
+        """Right before each batch: numbers and tensors get their probes."""
+        self.lazy.before_batch()
         self.attributes.before_batch()
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did, and prepares the next."""
         self.observe()
-        self.attributes.before_batch()
+        self.start()
 
     def observe(self) -> None:
         """Notes what the batch just evaluated did (the values are plain until the
         next :meth:`start`-like preparation, ``attributes.before_batch()``)."""
         objects = self.metrics.after_batch(self.brain)
         holders, tracks = _holders(objects), self.attributes.tracks
-        self.attributes.drop([h for h in holders if h in tracks])
+        dropped = [h for h in holders if h in tracks]
+        self.lazy.wrap(objects, {h: tracks[h].watch.factory for h in dropped if getattr(tracks[h].watch, "factory",
+                                                                                        None) is not None})
+        self.lazy.observe(self.metrics.batches - 1, objects)  # metric objects first seen: fields watched
+        self.attributes.drop(dropped)
+        self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
         names, seen = vars(self.brain).keys(), self._names_of
         if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
             self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
@@ -175,6 +183,7 @@ class StageBook:
         """One process that evaluated every batch: probes out, nothing to merge."""
         self.metrics.finish(self.brain, positions)
         self.attributes.finish(positions)
+        self.lazy.release()
         self.attributes.restore()
 
     def apply(self, merged: StageMerge, layouts: Sequence[Mapping[str, Any]], winners: Mapping[str, int],
@@ -183,7 +192,9 @@ class StageBook:
         metric objects every rank holds (``layouts``) made here if missing, a
         ``LAST`` merge's value taken from ``won[winners[label]]`` (pickled), or
         kept where this ``rank`` won."""
+        self.lazy.release()  # the original factories make what this rank lacks
         objects = complete(self.brain, self.metrics, layouts, stage)
+        self.lazy.locate_all(objects)  # fields of metric objects made just now, where merged fields go
         apply_merged(objects, self.metrics.start, merged.metrics)
 
         def last_value(label: str) -> Any:
@@ -204,6 +215,7 @@ class StageBook:
     def release(self) -> None:
         """The stage ended by an exception: plain numbers, factories and containers back."""
         self.attributes.release()
+        self.lazy.release()
         self.attributes.restore()
 
 

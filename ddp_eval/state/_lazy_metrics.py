@@ -1,0 +1,92 @@
+"""Metric objects created during a stage, on the same engine as those created in
+``on_stage_start``.
+
+A metric object held at stage start has its fields that are not flat lists
+(numbers, dicts, tensors, ...) watched as attributes
+(:func:`ddp_eval.state.metrics.field_targets`): numbers through probes, their
+``+=`` replayed in global batch order. One created during the stage (a
+``defaultdict(MyStats)`` filled per class or per decoding method) gets the same
+watch from the batch that created it:
+
+* the ``defaultdict``'s factory is wrapped for the stage
+  (:class:`~ddp_eval.state._probes.Factory`), so an object it makes has probes
+  in its number fields before the recipe's code touches them; what that batch
+  did is read from them (an initial value, then ``+`` and ``-``);
+* an object made by the recipe's own code is watched from the next batch; the
+  change its first batch made is told by its other changes, as a dict entry's
+  first change seen without a probe is.
+
+Ranks that never held such an object make it (:func:`ddp_eval.state._metric_layout.complete`)
+before the merged fields are written into it.
+"""
+
+import collections
+from typing import Any, Dict, Mapping, Tuple
+
+from ddp_eval.state._attributes import AttributeTracker, Slot
+from ddp_eval.state._probes import Factory
+from ddp_eval.state._values import ABSENT
+from ddp_eval.state.metrics import MetricRecorder, field_targets
+
+
+class LazyMetricFields:
+    """Watches the fields of metric objects created during the stage on this rank."""
+
+    def __init__(self, metrics: MetricRecorder, attributes: AttributeTracker, owner: Any) -> None:
+        self.metrics, self.attributes, self.owner = metrics, attributes, owner
+        self.factories: Dict[str, Factory] = {}  # attribute -> the factory wrapped for the stage
+        self.wrap(metrics.objects)
+
+    def wrap(self, objects: Mapping[str, Any], taken: Mapping[str, Factory] = {}) -> None:
+        """Wraps the factory of every ``defaultdict`` holding metric objects (or takes
+        over the one the attribute tracker wrapped while it watched the attribute)."""
+        for attribute in {path.split("[")[0].split(".")[0] for path in objects}:
+            container = getattr(self.owner, attribute, None)
+            if not isinstance(container, collections.defaultdict) or container.default_factory is None:
+                continue
+            factory = self.factories.get(attribute) or taken.get(attribute) or Factory(container.default_factory)
+            container.default_factory = self.factories[attribute] = factory
+
+    def before_batch(self) -> None:
+        for factory in self.factories.values():
+            factory.unprobe()
+            factory.made.clear()
+
+    def observe(self, batch: int, objects: Mapping[str, Any]) -> None:
+        """Watches the fields of the objects first seen after batch ``batch``."""
+        for path, obj in objects.items():
+            if self.metrics.first_seen.get(path) != batch:
+                continue
+            factory = self.factories.get(path.split("[")[0])
+            for label, (sub, name) in field_targets({path: obj}).items():
+                self.watch(label, sub, name, batch, factory)
+
+    def watch(self, label: str, sub: Any, name: str, batch: int, factory: Any) -> None:
+        sub_path = label[: -len(name) - 1]
+        self.metrics.fields[label] = (sub, name)
+        self.metrics.slotted.setdefault(sub_path, set()).add(name)
+        self.metrics.unmerged.pop((sub_path, name), None)
+        slot = self.attributes.tracks[label] = Slot(label, sub, name, self.attributes.budget, start=ABSENT)
+        value = vars(sub).get(name, ABSENT)
+        made = factory.field_origin(sub, value) if factory is not None else None
+        if made is not None:
+            slot.adopt(batch, value, *made)  # from the factory's value, by the ops its probes saw
+        else:
+            slot.observe(batch)  # the batch bound it where there was none: told by its later changes
+
+    def locate_all(self, objects: Mapping[str, Any]) -> Dict[str, Tuple[Any, str]]:
+        """``{label: (object, field)}`` of every metric object's watched fields (after the
+        objects this rank lacked were made), for writing merged fields into them."""
+        found = field_targets(objects)
+        self.metrics.fields.update({label: where for label, where in found.items() if label not in
+                                    self.metrics.fields})
+        return found
+
+    def release(self) -> None:
+        """The original factories back; plain numbers in what they made."""
+        for attribute, factory in self.factories.items():
+            factory.unprobe()
+            container = getattr(self.owner, attribute, None)
+            if isinstance(container, collections.defaultdict) and container.default_factory is factory:
+                container.default_factory = factory.original
+        self.factories = {}

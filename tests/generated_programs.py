@@ -1,0 +1,266 @@
+"""Recipe programs whose per-batch operations are taken from the types themselves.
+
+The operations are not a list anyone wrote: every public method (and in-place
+operator, item assignment and deletion) that ``dir()`` gives for ``list``,
+``dict``, ``set``, ``collections.deque``, ``Counter``, ``OrderedDict``,
+``defaultdict`` and ``bytearray``; every in-place method of ``torch.Tensor``
+(``add_``, ``mul_``, ... as ``dir()`` lists them), index assignment, writes
+through ``.data`` and ``out=``; every two-input NumPy ufunc applied in place,
+``numpy.add.at`` and slice assignment. Added to those: rebinding with ``+`` and
+``+=`` (str, bytes, tuples, lists, tensors, arrays), ``max``/``min``,
+``numpy.append``, ``torch.cat``, ``torch.stack``; fields of a dataclass and of a
+``SimpleNamespace``; metric objects created lazily in a ``defaultdict``; an
+iterator consumed; values computed from accumulated state (``len(self.items)``).
+
+Each operation is a function ``(brain, batch) -> None`` of the batch's global
+position only, so one process and any split of the batches over ranks run the
+same program. Arguments come from a few shapes tried in order (none, a value,
+an index, an index and a value, an iterable, a mapping); a call the type
+rejects (``TypeError``) tries the next shape; a call that fails on the value
+(``pop`` from an empty list) does nothing, in one process as on a rank.
+"""
+
+import collections
+import dataclasses
+import types
+
+import numpy as np
+import torch
+from speechbrain.utils.metric_stats import MetricStats
+
+CONTAINERS = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict,
+              collections.defaultdict, bytearray)
+_FAILS = (ValueError, KeyError, IndexError, RuntimeError, OverflowError, ZeroDivisionError, AttributeError)
+
+
+def value(b):
+    return float(b) * 0.1 + 0.05  # not exactly representable: float order matters
+
+
+@dataclasses.dataclass
+class Tally:
+    correct: int = 0
+    total: float = 0.0
+
+
+class LazyStats(MetricStats):
+    """A metric object a recipe creates per key during the stage, with number fields."""
+
+    def __init__(self):
+        super().__init__(metric=None)
+        self.sum, self.n = 0.0, 0
+
+    def add(self, x):
+        self.sum += x
+        self.n += 1
+
+
+def _attribute(kind):
+    return "c_" + kind.__name__.lower()
+
+
+def _start(kind):
+    """A container of three entries (so that an item assignment by index 0-2 never fails)."""
+    if kind is bytearray:
+        return bytearray(b"abc")
+    if kind is collections.defaultdict:
+        return collections.defaultdict(int, {"k0": 1, "k1": 2, "k2": 3})
+    if kind in (dict, collections.Counter, collections.OrderedDict):
+        return kind({"k0": 1, "k1": 2, "k2": 3})
+    if kind is set:
+        return {0, 1, 2}
+    return kind([0.5, 1.5, 2.5])
+
+
+class Brain:
+    """What a recipe's Brain holds at stage start."""
+
+    def __init__(self, start=False):
+        self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        for kind in CONTAINERS:
+            setattr(self, _attribute(kind), _start(kind))
+        self.text, self.blob, self.tup, self.rebuilt = "", b"", (), []
+        self.n, self.x, self.derived = 0, 0.0, None
+        self.vec, self.ivec = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
+        self.grown = torch.zeros(1, dtype=torch.float64)  # changes shape: its own attribute
+        self.arr, self.iarr, self.arr_grown = np.zeros(3), np.zeros(3, dtype=np.int64), np.zeros(1)
+        self.tally, self.ns = Tally(), types.SimpleNamespace(n=0, t=0.0)
+        self.lazy = collections.defaultdict(LazyStats)
+        self.it, self.last_item = iter(range(1000)), None
+        if start:  # a stage that starts from an earlier one's state
+            self.c_list.append(9.5)
+            self.n, self.text = 5, "earlier "
+
+
+def _arguments(kind, b):
+    """The argument shapes tried, in order, for a method of ``kind`` in batch ``b``."""
+    i = b % 3
+    if kind is bytearray:
+        v, many = 97 + b % 26, bytes([97 + b % 26])
+    elif kind is set:
+        v, many = b % 5, {b % 5}
+    else:
+        v, many = value(b), [value(b)]
+    key = f"k{b % 4}"
+    if issubclass(kind, dict):
+        return [(), (key,), (key, b), ({key: b},), ([key],)]
+    return [(), (v,), (i,), (i, v), (many,), (0, 1)]
+
+
+def _call_method(kind, name):
+    def run(brain, b):
+        target = getattr(brain, _attribute(kind))
+        for args in _arguments(kind, b):
+            try:
+                getattr(target, name)(*args)
+                return
+            except TypeError:
+                continue
+            except _FAILS:
+                return
+    return run
+
+
+def container_methods(kind):
+    """Public methods, in-place operators, item assignment and deletion, from ``dir(kind)``."""
+    return sorted(name for name in dir(kind) if callable(getattr(kind, name)) and (
+        not name.startswith("_") or name in ("__setitem__", "__delitem__")
+        or (name.startswith("__i") and name[3:-2] in ("add", "sub", "mul", "and", "or", "xor"))))
+
+
+def tensor_methods():
+    """Every in-place method of ``torch.Tensor`` (``dir()``: public, ending in ``_``)."""
+    return sorted(name for name in dir(torch.Tensor) if name.endswith("_") and not name.startswith("_"))
+
+
+def _tensor_method(name):
+    def run(brain, b):
+        target = brain.vec if not name.startswith(("bitwise", "__i", "lshift", "rshift", "gcd", "lcm")) \
+            else brain.ivec
+        operand = torch.full((3,), value(b), dtype=target.dtype) if target.is_floating_point() else \
+            torch.full((3,), b % 4 + 1, dtype=target.dtype)
+        for args in ((), (operand,), (value(b),), (0, operand), (0, torch.tensor([b % 3]), operand)):
+            try:
+                with torch.no_grad():
+                    getattr(target, name)(*args)
+                return
+            except (TypeError, NotImplementedError):
+                continue
+            except _FAILS:
+                return
+    return run
+
+
+def numpy_ufuncs():
+    """Every two-input NumPy ufunc with a float loop (``dir(numpy)``), applied in place."""
+    return sorted(name for name in dir(np) if isinstance(getattr(np, name), np.ufunc) and getattr(np, name).nin == 2
+                  and getattr(np, name).nout == 1 and "dd->d" in getattr(np, name).types)
+
+
+def _ufunc(name):
+    def run(brain, b):
+        with np.errstate(all="ignore"):
+            getattr(np, name)(brain.arr, value(b), out=brain.arr)
+    return run
+
+
+def _set_index(t, i, v):
+    t[i] = v
+
+
+def _full(b):
+    return torch.full((3,), value(b), dtype=torch.float64)
+
+
+def _data_iadd(h, b):
+    h.vec.data += _full(b)
+
+
+def _fixed():
+    """Operations no type lists: rebinding, fields, lazy metric objects, iterators, reads."""
+    t = _full
+    return {
+        "tensor[i] += 1": lambda h, b: h.ivec.__setitem__(b % 3, h.ivec[b % 3] + 1),
+        "tensor[i] = b": lambda h, b: _set_index(h.ivec, b % 3, b),
+        "tensor.data += t": _data_iadd,
+        "tensor.data.add_": lambda h, b: h.vec.data.add_(t(b)),
+        "torch.add(out=)": lambda h, b: torch.add(h.vec, t(b), out=h.vec),
+        "numpy.add.at": lambda h, b: np.add.at(h.iarr, [b % 3], 1),
+        "array[i:] += v": lambda h, b: h.arr[b % 3:].__iadd__(value(b)),
+        "array[i] = v": lambda h, b: _set_index(h.arr, b % 3, value(b)),
+        "str +=": lambda h, b: setattr(h, "text", h.text + f"line{b};"),
+        "str = str + x": lambda h, b: setattr(h, "text", h.text + str(b)),
+        "str set": lambda h, b: setattr(h, "text", f"u{b}"),
+        "bytes +=": lambda h, b: setattr(h, "blob", h.blob + bytes([b])),
+        "tuple +=": lambda h, b: setattr(h, "tup", h.tup + (b,)),
+        "list = list + [x]": lambda h, b: setattr(h, "rebuilt", h.rebuilt + [value(b)]),
+        "tensor = tensor + t": lambda h, b: setattr(h, "vec", h.vec + t(b)),
+        "array = array + v": lambda h, b: setattr(h, "arr", h.arr + value(b)),
+        "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
+        "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),
+        "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),
+        "+= int": lambda h, b: setattr(h, "n", h.n + b),
+        "numpy.append": lambda h, b: setattr(h, "arr_grown", np.append(h.arr_grown, value(b))),
+        "torch.cat": lambda h, b: setattr(h, "grown", torch.cat([h.grown, t(b)[:1]])),
+        "torch.stack": lambda h, b: setattr(h, "vec", torch.stack([h.vec, t(b)]).sum(0)),
+        "dataclass field +=": lambda h, b: setattr(h.tally, "correct", h.tally.correct + 1),
+        "dataclass float +=": lambda h, b: setattr(h.tally, "total", h.tally.total + value(b)),
+        "dataclass field =": lambda h, b: setattr(h.tally, "correct", b),
+        "namespace +=": lambda h, b: setattr(h.ns, "n", h.ns.n + 1),
+        "namespace float +=": lambda h, b: setattr(h.ns, "t", h.ns.t + value(b)),
+        "lazy metric object": lambda h, b: h.lazy[f"c{b % 2}"].add(value(b)),
+        "iterator consumed": lambda h, b: setattr(h, "last_item", next(h.it)),
+        "len(accumulated)": lambda h, b: setattr(h, "derived", len(h.c_list)),
+        "sum(accumulated)": lambda h, b: setattr(h, "derived", sum(h.c_counter.values())),
+        "from a number": lambda h, b: setattr(h, "derived", h.n * 2),
+        "get(k, 0) + 1": lambda h, b: h.c_dict.__setitem__(f"g{b % 2}", h.c_dict.get(f"g{b % 2}", 0) + 1),
+        "setdefault().append": lambda h, b: h.c_dict.setdefault(f"s{b % 2}", []).append(b),
+        "set |=": lambda h, b: setattr(h, "c_set", h.c_set | {b % 4}),
+    }
+
+
+def _quiet(op):
+    """An operation that does nothing where it fails on the value (in one process as on a rank)."""
+    def run(brain, b):
+        try:
+            op(brain, b)
+        except (TypeError, *_FAILS):
+            pass
+    return run
+
+
+def _keeps_layout(op):
+    """Whether ``op`` runs on a fresh Brain and leaves its tensors' and arrays' shape,
+    dtype and ``requires_grad`` as they were (``resize_``, ``requires_grad_``, a
+    ufunc that needs matrices do not: they would make the program's other
+    operations fail on some ranks and not in one process)."""
+    brain = Brain()
+    before = [(t.shape, t.dtype, getattr(t, "requires_grad", False)) for t in (brain.vec, brain.ivec, brain.arr)]
+    try:
+        with np.errstate(all="ignore"):
+            op(brain, 1)
+    except Exception:
+        return False
+    return before == [(t.shape, t.dtype, getattr(t, "requires_grad", False)) for t in (brain.vec, brain.ivec,
+                                                                                        brain.arr)]
+
+
+def operations():
+    """``({name: (brain, batch) -> None}, [names left out by _keeps_layout])``."""
+    ops, left_out = {}, []
+    for kind in CONTAINERS:
+        for name in container_methods(kind):
+            ops[f"{kind.__name__}.{name}"] = _call_method(kind, name)
+    candidates = {f"Tensor.{name}": _tensor_method(name) for name in tensor_methods()}
+    candidates.update({f"numpy.{name}(out=)": _ufunc(name) for name in numpy_ufuncs()})
+    for label, op in candidates.items():
+        if _keeps_layout(op):
+            ops[label] = op
+        else:
+            left_out.append(label)
+    ops.update({label: _quiet(op) for label, op in _fixed().items()})
+    return ops, left_out
+
+
+OPERATIONS, LEFT_OUT = operations()
+NAMES = sorted(OPERATIONS)
