@@ -8,16 +8,17 @@ Example
 >>> DDPEvalConfig.from_hparams({"ddp_eval": {"shard_tset": False}})
 Traceback (most recent call last):
 ...
-ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, fsdp, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split, verify
+ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_eval:' hparams section; allowed options: attribute_memory_mb, attributes_exclude, attributes_include, check_consistency, collective_timeout, fsdp, merge, metrics_exclude, metrics_include, on_unmergeable_attribute, resume_eval, resume_eval_dir, resume_eval_every_s, shard_test, shard_valid, stream_split, verify
 """
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import yaml
 
 from ddp_eval.errors import ConfigError
+from ddp_eval.state.attribute_merge import REDUCTIONS
 
 SECTION = "ddp_eval"
 ENV_VAR = "DDP_EVAL"  # options over the section, for a YAML without one
@@ -88,6 +89,11 @@ class DDPEvalConfig:
         path), ``"every"`` (every VALID/TEST stage) or ``"strict"`` (as
         ``first``, and any difference is an error on every rank). Costs about
         one more one-process evaluation of each verified stage.
+    merge : dict
+        ``{attribute: reduction}``: how an attribute merges where inference cannot
+        know (``best_score: max``), one of ``max``, ``min``, ``sum``, ``union``
+        (:mod:`ddp_eval.state._declared`); a rank whose value contradicts it is
+        named. Names with a dot are paths, as in ``attributes_include``.
     fsdp : FSDPOptions, optional
         Shard the trainable modules with torch's FSDP (``fully_shard``) instead
         of wrapping them in DDP under ``torchrun``: ``fsdp: true`` (defaults) or
@@ -109,6 +115,7 @@ class DDPEvalConfig:
     resume_eval_dir: Optional[str] = None
     stream_split: str = "batches"
     verify: str = "off"
+    merge: Dict[str, str] = field(default_factory=dict)
     fsdp: Optional["FSDPOptions"] = None
 
     @classmethod
@@ -179,6 +186,10 @@ class DDPEvalConfig:
         check_choice("on_unmergeable_attribute", self.on_unmergeable_attribute, ("warn", "error"))
         check_choice("stream_split", self.stream_split, ("batches", "by_dataset"))
         check_choice("verify", self.verify, ("off", "first", "every", "strict"))
+        _expect("merge", self.merge, isinstance(self.merge, Mapping) and all(isinstance(k, str) for k in self.merge),
+                "a mapping of attribute names to reductions")
+        for path, reduction in self.merge.items():
+            check_choice(f"merge: {path}", reduction, REDUCTIONS)
 
 
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")

@@ -36,7 +36,7 @@ from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval.checkpointing.commit import MANIFEST_KEY, TMP_PREFIX, TRASH_PREFIX, inspect_checkpoint_dir, read_meta
 from ddp_eval.dist.dcp import SUFFIX as SHARDED_SUFFIX
-from ddp_eval.stage._journal import JOURNAL_DIRNAME, describe_journals
+from ddp_eval.stage import JOURNAL_DIRNAME, describe_journals
 
 _LEFTOVERS = {
     TMP_PREFIX: "temporary directory: a save in progress, or the leftover of a crash; never "

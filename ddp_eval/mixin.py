@@ -15,9 +15,7 @@ from ddp_eval.checkpointing.checkpoint import writer_only_saves
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.dist import fsdp
 from ddp_eval.errors import ConfigError
-from ddp_eval.stage._consistency import check_states_agree, state_summaries
-from ddp_eval.stage._journal import JOURNAL_DIRNAME
-from ddp_eval.stage._sharded import ShardedStage
+from ddp_eval.stage import JOURNAL_DIRNAME, ShardedStage, check_states_agree, state_summaries
 from ddp_eval.stage.sharding import is_sharded, shard_dataloader
 
 logger = logging.getLogger(__name__)

@@ -84,3 +84,18 @@ def test_every_module_but_the_public_ones_is_marked_private():
     for package in ALLOWED:
         for path in (PACKAGE / package).glob("*.py"):
             assert path.stem in public or path.stem.startswith("_"), path
+
+
+def test_private_modules_are_imported_only_inside_their_subpackage():
+    """A module whose name starts with ``_`` is its subpackage's own: others import
+    what the subpackage makes public (its ``__init__`` or modules without ``_``)."""
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        here = parts[0] if len(parts) > 1 else None  # a top-level module belongs to no subpackage
+        for target in sorted(imported(path)):
+            names = target.split(".")[1:]
+            private = [i for i, name in enumerate(names) if name.startswith("_") and name != "__init__"]
+            if private and names[0] != here:
+                broken.append(f"ddp_eval.{'.'.join(parts)} imports {target}")
+    assert not broken, "private modules imported from outside their subpackage:\n" + "\n".join(broken)

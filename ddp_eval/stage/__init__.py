@@ -9,3 +9,9 @@ writes its pieces atomically), :mod:`ddp_eval.dist`, :mod:`ddp_eval.config`,
 :mod:`ddp_eval.errors`, :mod:`ddp_eval.sb_compat`; never the mixin (checked by
 ``tests/test_layout.py``). Modules whose names start with ``_`` are not public API.
 """
+
+from ddp_eval.stage._consistency import check_states_agree, state_summaries
+from ddp_eval.stage._journal import JOURNAL_DIRNAME, describe_journals
+from ddp_eval.stage._sharded import ShardedStage
+
+__all__ = ["ShardedStage", "check_states_agree", "state_summaries", "JOURNAL_DIRNAME", "describe_journals"]

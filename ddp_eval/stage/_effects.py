@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ddp_eval.state._order import as_chunks, growth_since
+from ddp_eval.state import as_chunks, growth_since
 
 PART_SUFFIX = ".ddp_eval-part"
 

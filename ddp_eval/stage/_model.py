@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ddp_eval import sb_compat
-from ddp_eval.state._values import is_number
+from ddp_eval.state import is_number
 
 
 def _unwrapped(module: Any) -> Any:

@@ -25,7 +25,7 @@ from ddp_eval.stage._effects import StageOutputs
 from ddp_eval.stage._journal import JournalKey, StageJournal, find_resumable, layout_fingerprint, remove_pieces
 from ddp_eval.stage._model import fingerprint_share, model_fingerprint, model_modules, model_tensors, tensor_crc
 from ddp_eval.stage.sharding import global_batch_ids, is_stream
-from ddp_eval.state._attributes import AttributeTracker
+from ddp_eval.state import AttributeTracker
 from ddp_eval.state.metrics import MetricRecorder, describe_objects
 
 logger = logging.getLogger(__name__)

@@ -39,10 +39,7 @@ from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
-from ddp_eval.state._explain import Fingerprint
-from ddp_eval.state._order import in_global_order
-from ddp_eval.state._outside import changed_outside, outside_markers
-from ddp_eval.state._values import is_training_machinery
+from ddp_eval.state import Fingerprint, changed_outside, in_global_order, is_training_machinery, outside_markers
 from ddp_eval.state.attribute_merge import last_candidates
 from ddp_eval.state.bookkeeping import StageBook, merge_stage
 
@@ -252,7 +249,7 @@ class ShardedStage:
         gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
         states = [pickle.loads(state) for state, _ in gathered]
         pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
-        merged = merge_stage([s[0] for s in states] + [(p[0], p[1]) for p in pieces])
+        merged = merge_stage([s[0] for s in states] + [(p[0], p[1]) for p in pieces], per_rank)
         # after the last collective: a failure on this rank alone meets the others at on_stage_end's exchange
         self.book.apply(merged, report.layouts, report.winners, [pickle.loads(w) for _, w in gathered],
                         dist.get_rank(), self.stage.name)

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ddp_eval.state._values import is_array, numpy
+from ddp_eval.state import is_array, numpy
 
 MODES = ("off", "first", "every", "strict")
 _MAX_SHOWN = 120  # characters of a value in a message

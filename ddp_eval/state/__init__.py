@@ -11,3 +11,12 @@ never :mod:`ddp_eval.dist`, :mod:`ddp_eval.stage` or :mod:`ddp_eval.checkpointin
 (checked by ``tests/test_layout.py``). Modules whose names start with ``_`` are not
 public API.
 """
+
+from ddp_eval.state._attributes import AttributeTracker
+from ddp_eval.state._explain import Fingerprint
+from ddp_eval.state._order import as_chunks, growth_since, in_global_order
+from ddp_eval.state._outside import changed_outside, outside_markers
+from ddp_eval.state._values import is_array, is_number, is_training_machinery, numpy
+
+__all__ = ["AttributeTracker", "Fingerprint", "as_chunks", "growth_since", "in_global_order", "changed_outside",
+           "outside_markers", "is_array", "is_number", "is_training_machinery", "numpy"]

@@ -53,14 +53,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ddp_eval.errors import ConfigError
+from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay
+from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay, replays_to
 from ddp_eval.state._rebuilt import (
     extends,
     handed_back,
     in_place_writes,
     make_probe,
     plain_value,
+    read_from,
     read_rebuilt,
     read_through_data,
     shares_entries,
@@ -73,6 +75,7 @@ from ddp_eval.state._values import (
     Change,
     Kind,
     get_value,
+    is_array,
     is_mutable,
     is_number,
     numpy,
@@ -120,6 +123,16 @@ def resolve(root: Any, path: str) -> Tuple[Any, str]:
     return owner, name
 
 
+# What the batch under way read and set, by top-level label (see AttributeTracker.after_batch)
+BATCH_READS: set = set()
+BATCH_SETS: set = set()
+
+
+def top_label(label: str) -> str:
+    """The attribute a label belongs to (``d['a']`` and ``stats.count``: ``d``, ``stats``)."""
+    return label.split("[")[0].split(".")[0]
+
+
 class Slot:
     """One watched attribute (or dict entry) on this rank during one stage: the
     object it holds, the new objects batches bound to it, and a watch of the
@@ -144,6 +157,7 @@ class Slot:
             self.original = None
         else:
             self.original_mark = Fingerprint.of(self.original, depth=1)  # changed through another reference?
+            self.recorded.label = top_label(label)
             self.start = self.recorded
             set_value(owner, name, self.recorded)
         self.obj = self.start  # held, so that an identity check cannot meet a reused id
@@ -207,6 +221,10 @@ class Slot:
 
     def _observe_number(self, batch: int, value: Any) -> Optional[bool]:
         what, data = read_changes(self.probe, value)
+        if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
+            BATCH_READS.add(top_label(self.label))  # its value went into something else
+        if what == "set" and self.start is not ABSENT:
+            BATCH_SETS.add(top_label(self.label))
         self.probe = None
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
@@ -243,6 +261,8 @@ class Slot:
             return True, value
         appended = handed_back(probe, self.obj)  # an empty list's probe: what batches appended to it
         what, data = read_rebuilt(probe, value)
+        if read_from(probe, rebuilt=what == "ops"):
+            BATCH_READS.add(top_label(self.label))
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain tensor, array or list back
             if read_through_data(probe) and isinstance(self.watch, TensorWatch):
@@ -298,6 +318,7 @@ class Slot:
                       "cannot tell from a set made anew; add in place (s |= {x}, s.add(x)), which merges as a union")
             return True
         if self.events and not is_number(value) and not is_number(self.obj):  # set anew after rebuilds
+            BATCH_SETS.add(top_label(self.label))
             self.events.append((batch, "=", plain_value(value)))
             self.obj = value
             self.watch = BoundWatch(self, value)
@@ -328,6 +349,8 @@ class Slot:
             self.start is None and isinstance(value, (list, dict))))
         self.over_none = self.over_none or (self.assignments == 0 and self.start is None)
         self.assignments += 1
+        if not self.created:
+            BATCH_SETS.add(top_label(self.label))
         self.assigned_at, self.obj = batch, value
         # created where there was none: its later growth may merge; bound anew: only its last value
         self.watch = make_watch(self, value, created_at=batch if self.created else None, bound=not self.created)
@@ -378,6 +401,11 @@ class Slot:
             self.fail(f"a batch bound a new {type(self.obj).__name__} to it and later ones changed that in place")
         if self.events and not is_number(self.obj) and self.watch.changes_after(-1):
             self.fail(f"a batch rebuilt it as a new {type(self.obj).__name__} and later ones changed that in place")
+        if self.why is None and self.events and (isinstance(self.obj, torch.Tensor) or is_array(self.obj)) and \
+                _recording.ENABLED and not replays_to(self.start, self.events, self.obj):
+            self.fail("replaying what its batches did (x = x + y, torch.cat) from its stage-start value does not "
+                      "give the value it holds: something changed it unseen (a write through .data of a rebuilt "
+                      "value); rebuild it or change it in place, not both, or compute it in on_stage_end")
 
     def restore(self) -> None:
         """The container held at stage start back in place of its recording copy,
@@ -428,7 +456,9 @@ class Slot:
 
     def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
         """Writes a merged change (:func:`ddp_eval.state.attribute_merge.merge_changes`)."""
-        if kind is Kind.FOLD:
+        if kind is Kind.REDUCE:
+            set_value(self.owner, self.name, data)
+        elif kind is Kind.FOLD:
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             set_value(self.owner, self.name, replay(start, data))
         elif kind is Kind.LAST:
@@ -484,6 +514,7 @@ class AttributeTracker:
         self._piece_from = 0  # where the next journal piece starts
         self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget)
                                         for label, (owner, name) in targets.items()}
+        self.read_then_set: Dict[str, set] = {}  # label set by a batch -> labels that batch read
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
         self._added: List[Slot] = []  # watched since the batch began (created by it): seen after it
@@ -509,15 +540,32 @@ class AttributeTracker:
             (self._busy if slot.busy() else self._idle).append(slot)
         for slot in self._busy:
             slot.before_batch()
+        for recorded in _recording.READ:
+            recorded._read = False
+        _recording.READ.clear()
+        BATCH_READS.clear()
+        BATCH_SETS.clear()
+        _recording.LISTENING = _recording.ENABLED
+
+    def stop_listening(self) -> None:
+        """The batch is over: reads of the recording containers from here on are ddp_eval's own."""
+        if _recording.LISTENING:
+            _recording.LISTENING = False
+            BATCH_READS.update(recorded.label for recorded in _recording.READ)
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did: a look at the busy attributes,
-        an identity check of the others (a string, a bool, a tuple, an object)."""
+        an identity check of the others (a string, a bool, a tuple, an object);
+        and which attributes it set after reading others (see :meth:`finish`)."""
+        self.stop_listening()
         for slot in self._busy:
             slot.observe(self.batches)
         for slot in itertools.chain(self._idle, self._added):
             if get_value(slot.owner, slot.name) is not slot.obj:
                 slot.observe(self.batches)
+        for label in BATCH_SETS:
+            if BATCH_READS - {label}:
+                self.read_then_set.setdefault(label, set()).update(BATCH_READS - {label})
         self._added = []
         self.batches += 1
 
@@ -565,6 +613,7 @@ class AttributeTracker:
 
     def release(self) -> None:
         """Takes probes and factories out of the watched objects (see :meth:`Slot.release`)."""
+        _recording.LISTENING = False
         for slot in self.tracks.values():
             slot.release()
 

@@ -38,7 +38,10 @@ True
 import inspect
 from typing import Any, List, Optional, Tuple
 
+import torch
+
 from ddp_eval.state._rebuilt import add, concat, subtract
+from ddp_eval.state._values import ABSENT, is_array, numpy
 
 PROBED_TYPES = (int, float, str, bytes)
 
@@ -52,8 +55,12 @@ class _Probe:
     _used = False  # on the origin: its value was used by something other than + and -
     _results: Tuple = ()  # on the origin: (result, parent, op, operand) of + or - giving another number type
 
+    _derived = False  # on the origin: a value was computed from it by + or -
+    _read = False  # on the origin: its value went into another one by more than a comparison
+
     def _derive(self, op: str, operand: Any, result: Any) -> Any:
         origin = self._origin
+        origin._derived = True
         if type(result) in _CLASSES:
             child = _CLASSES[type(result)](result)
             child._origin, child._parent, child._op, child._operand = origin, self, op, operand
@@ -82,10 +89,18 @@ class _Probe:
         return _base(self), (_base(self)(self),)
 
 
+_COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__")
+
+
 def _used(name: str):
-    """A method of the base type that also notes that the probe's value was used."""
+    """A method of the base type that also notes that the probe's value was used
+    (and, but for a comparison, that it went into another value: ``_read``)."""
+    comparison = name in _COMPARISONS
+
     def method(self, *args):
         self._origin._used = True
+        if not comparison:
+            self._origin._read = True
         return getattr(_base(self), name)(self, *args)
     method.__name__ = name
     return method
@@ -102,7 +117,7 @@ def _uses(base: type) -> List[str]:
     replayed), taken from ``dir()``."""
     if base in (int, float):
         return [name for name in _USES if hasattr(base, name)]
-    own = (name for name in dir(base) if name not in ("__add__", "__getnewargs__", "__hash__")
+    own = (name for name in dir(base) if name not in ("__add__", "__getnewargs__", "__hash__", "__bytes__", "__str__")
            and (name not in dir(object) or name in _USES))
     return [name for name in own if type(inspect.getattr_static(base, name)).__name__ in _METHOD_KINDS]
 
@@ -214,6 +229,33 @@ def replay(start: Any, events: List[Tuple[str, Any]]) -> Any:
         else:
             value = _APPLY[op](0 if value is UNSET else value, operand)
     return value
+
+
+def replays_to(start: Any, events: List[Tuple[int, str, Any]], value: Any) -> bool:
+    """Replay equality of a rebuilt tensor or array on its rank: ``events`` (this
+    rank's, ``(batch, op, operand)``) replayed in order from ``start`` give
+    ``value`` (bit for bit: the same operations in the same order)."""
+    current = UNSET if start is None or start is ABSENT else start
+    try:
+        for _, op, operand in events:
+            if op in ("=", "!", "~") or (op == "^" and current is UNSET):
+                current = operand
+            elif op == "?":
+                current = operand[1]
+            elif op != "^":
+                current = operand if current is UNSET and op == "&" else _APPLY[op](current, operand)
+        return _same_values(current, value)
+    except Exception:  # shapes or types that do not combine: not what the record says
+        return False
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = a.detach().cpu(), b.detach().cpu()
+        return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a != a) & (b != b)).all())
+    if is_array(a) and is_array(b):
+        return a.shape == b.shape and a.dtype == b.dtype and numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+    return False
 
 
 class Factory:

@@ -47,7 +47,8 @@ _CAT = {"cat", "concat", "concatenate"}
 # what reads no value: metadata, and the attribute look-ups that give it
 _NO_READ = {"__get__", "size", "dim", "numel", "nelement", "ndimension", "data_ptr", "element_size", "stride",
             "storage_offset", "is_floating_point", "is_complex", "is_contiguous", "get_device", "__len__",
-            "__hash__", "__reduce_ex__", "__setstate__", "__repr__", "__format__", "requires_grad_"}
+            "__hash__", "__reduce_ex__", "__setstate__", "__repr__", "__format__", "requires_grad_",
+            "data.__get__", "data.__set__"}
 
 
 # what moves or reshapes a value without combining it with another (``F.pad(prev, ...)``
@@ -101,10 +102,11 @@ class _Record:
     (or its views) by ``+`` or ``-`` (``sums``) and in-place changes the merge
     cannot replay as increments (``writes``)."""
 
-    __slots__ = ("root", "used", "results", "sums", "writes", "aliased")
+    __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased")
 
     def __init__(self, root: Any) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
+        self.read = False  # the value itself (not an entry of it) went into another computation
         self.aliased = False  # .data was read: a change through it moves no _version
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
@@ -126,7 +128,7 @@ class _Record:
               and kwargs.get("axis") is None):  # numpy.append of a 1-d array: concatenation
             self._result(out, "&", numpy.ravel(_plain(args[1])))
         elif name not in _MOVES:
-            self.used = True
+            self.used = self.read = True
 
     def _result(self, out: Any, op: str, operand: Any) -> None:
         """A value computed from the probe by ``op``, with what tells a later
@@ -211,14 +213,35 @@ if numpy is not None:
             if out is not None:
                 kwargs["out"] = tuple(_plain(x) for x in out)
             result = getattr(ufunc, method)(*args, **kwargs)
-            if out is not None and any(o is self for o in out):
-                return self  # in place (x += y): the array watch compares contents
+            root = _root_record(self)
+            if out is not None and any(o is self for o in out):  # in place (x += y): the watch compares contents
+                if root is not None and ufunc in _ADDS and method == "__call__":
+                    root.sums.append(self)
+                elif root is not None:
+                    root.writes.append(f"numpy.{ufunc.__name__}(out=)")
+                return self
+            if method == "at" and inputs and inputs[0] is self:  # numpy.add.at(x, i, y): in place
+                if root is not None and ufunc not in _ADDS:
+                    root.writes.append(f"numpy.{ufunc.__name__}.at()")
+                return result
             name = {numpy.add: "add", numpy.subtract: "sub"}.get(ufunc, ufunc.__name__) if method == "__call__" \
                 else method
             record = _find_record(inputs)
             if record is not None:
                 record.note(name, inputs, {}, result)
             return result
+
+        def __getitem__(self, index):
+            root = _root_record(self)
+            if root is not None:
+                root.sums.append(_index_key(index))  # x[i] = x[i] + 1 reads i first: an increment
+            return super().__getitem__(index)
+
+        def __setitem__(self, index, value):
+            root = _root_record(self)
+            if root is not None and not any(value is s for s in root.sums) and _index_key(index) not in root.sums:
+                root.writes.append("index assignment of a value not computed from it")
+            super().__setitem__(index, value)
 
         def __array_function__(self, func, types, args, kwargs):
             result = func(*_unwrap(args), **kwargs)
@@ -233,9 +256,21 @@ if numpy is not None:
             return result
 
     _ARRAY_TYPES: tuple = (numpy.ndarray,)
+    _ADDS = (numpy.add, numpy.subtract)
 else:  # pragma: no cover - torch installs numpy
     ArrayProbe = None
     _ARRAY_TYPES = ()
+
+
+def _root_record(probe: Any) -> Any:
+    """The record of a probe, or of the probe a view was taken of (None: not a probe)."""
+    record = getattr(probe, "_ddp_record", None)
+    return record.record if isinstance(record, _Used) else record
+
+
+def _index_key(index: Any) -> Any:
+    """An index as a comparable key (slices and arrays by their text)."""
+    return ("index", repr(index))
 
 
 class _EmptyProbe:
@@ -350,6 +385,13 @@ def handed_back(probe: Any, original: Any) -> bool:
         original.extend(list.__iter__(probe))
         return True
     return False
+
+
+def read_from(probe: Any, rebuilt: bool) -> bool:
+    """Whether a batch used the probed value in a computation (``x.sum()``, ``y = x + 1``)
+    other than rebuilding the value itself (``rebuilt``: ``x = x + y``)."""
+    record = getattr(probe, "_ddp_record", None)
+    return bool(getattr(record, "read", False) or (not rebuilt and getattr(record, "results", None)))
 
 
 def read_through_data(probe: Any) -> bool:

@@ -57,6 +57,8 @@ REMEDY = {
     collections.deque: "append to a list and keep its last entries in on_stage_end",
 }
 ENABLED = True  # the operations seen and the stage-end checks by value; tests switch them off to show they matter
+LISTENING = False  # while a batch runs: reads of recording copies are noted in READ
+READ: list = []  # the recording copies a batch read (each once)
 TYPES = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict, collections.defaultdict,
          bytearray)
 
@@ -99,6 +101,8 @@ class _Recording:
     """What every recording class shares: the names of the operations noted."""
 
     _depth = 0
+    _read = False  # read by the batch under way (see READ)
+    label = ""  # the attribute it stands in for (set by the attribute tracker)
 
     def __reduce__(self):  # pickles and copies as the plain container
         return _rebuild, (self._kind, _contents(self), _extra(self))
@@ -157,6 +161,9 @@ def _keeping_result(kind: type, name: str):
     method = getattr(kind, name)
 
     def keeping(self, *args, **kwargs):
+        if LISTENING and not self._read:
+            self._read = True
+            READ.append(self)
         result = method(self, *args, **kwargs)
         self.built.append(result)
         return result
@@ -164,9 +171,34 @@ def _keeping_result(kind: type, name: str):
     return keeping
 
 
+# object plumbing, not a read of the contents
+_PLUMBING = frozenset({"__class__", "__init__", "__new__", "__getattribute__", "__setattr__", "__delattr__",
+                       "__init_subclass__", "__subclasshook__", "__class_getitem__", "__reduce__", "__reduce_ex__",
+                       "__getstate__", "__sizeof__", "__dir__", "__hash__", "__format__", "__getnewargs__",
+                       "__copy__", "__deepcopy__", "fromkeys", "__alloc__"})
+
+
+def _reading(kind: type, name: str):
+    method = getattr(kind, name)
+
+    def read(self, *args, **kwargs):
+        if LISTENING and not self._read:  # a batch read what batches accumulate
+            self._read = True
+            READ.append(self)
+        return method(self, *args, **kwargs)
+    read.__name__ = name
+    return read
+
+
 def _recording_class(kind: type) -> type:
     grows = GROWS[_builtin(kind)]
-    namespace = {name: _noting(kind, name) for name in changing_methods(kind)}
+    changing = changing_methods(kind)
+    # reads of what the container holds as a whole (len, iteration, membership, comparison, copy); reading
+    # one entry by key or index (d[k] += 1, d.get(k, 0) + 1) is the entry's own business
+    namespace = {name: _reading(kind, name) for name in dir(kind) if callable(getattr(kind, name, None))
+                 and name not in changing and name not in _PLUMBING and name not in ("get", "setdefault",
+                                                                                   "__getitem__", "__missing__")}
+    namespace.update({name: _noting(kind, name) for name in changing})
     if _builtin(kind) is dict:
         namespace["setdefault"] = _handing_probe(namespace["setdefault"])
         namespace["get"] = _handing_probe(kind.get)

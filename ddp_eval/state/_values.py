@@ -68,6 +68,7 @@ class Kind(str, enum.Enum):
     LAST = "last"
     ITEMS = "items"
     UNION = "union"
+    REDUCE = "reduce"
 
 
 class Change(NamedTuple):

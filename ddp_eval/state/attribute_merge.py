@@ -15,6 +15,8 @@ the lower index comes first.
   a probe (``?``), is an addend if anything is added to the attribute, else an
   assignment.
 * ``UNION``: the elements every contribution added to a set;
+* ``REDUCE``: a reduction the recipe declared (``ddp_eval: merge``) of every
+  contribution's value;
 * ``APPEND``: entries in global batch order; ``KEYS``: new keys in the order of
   their first addition, entries merged one by one; ``SUM``: increments summed;
   ``ACCUMULATE``: increments in global batch order (per-rank totals, over the
@@ -38,10 +40,12 @@ Example
 
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ddp_eval.state._declared import REDUCTIONS, reduce_values
 from ddp_eval.state._order import in_global_order
 from ddp_eval.state._values import Change, Kind
 
 Merged = Tuple[Kind, Any]
+__all__ = ["REDUCTIONS", "MergeResult", "merge_attribute_states", "merge_changes", "last_writer", "last_candidates"]
 
 
 class MergeResult(NamedTuple):
@@ -235,7 +239,13 @@ def _merge_union(label: str, per_contribution: Sequence[Any], result: "MergeResu
     return set().union(*per_contribution)
 
 
+def _merge_reduce(label: str, per_contribution: Sequence[Any], result: "MergeResult") -> Any:
+    """A declared reduction (``ddp_eval: merge``) of every contribution's value."""
+    return reduce_values(per_contribution)
+
+
 _MERGERS = {Kind.UNION: _merge_union,
+            Kind.REDUCE: _merge_reduce,
             Kind.FOLD: _merge_fold, Kind.APPEND: _merge_append, Kind.KEYS: _merge_keys, Kind.ITEMS: _merge_items,
             Kind.SUM: _merge_sum,
             Kind.ACCUMULATE: _merge_accumulate}

@@ -42,7 +42,8 @@ Example
 import pickle
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ddp_eval.state._attributes import AttributeTracker, resolve
+from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
+from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
 from ddp_eval.state._values import ELSEWHERE, is_training_machinery
@@ -68,10 +69,34 @@ class StageMerge(NamedTuple):
     attributes: MergeResult
 
 
-def merge_stage(states: Sequence[Tuple[Any, Any]]) -> StageMerge:
+def merge_stage(states: Sequence[Tuple[Any, Any]], reports: Sequence[Mapping[str, Any]] = ()) -> StageMerge:
     """Merges every contribution's ``(metric state, attribute changes)`` (ranks in
-    order, then a journal's pieces) in global batch order; pure, the same on every rank."""
-    return StageMerge(merge_metric_stats([s[0] for s in states]), merge_attribute_states([s[1] for s in states]))
+    order, then a journal's pieces) in global batch order; pure, the same on every
+    rank. ``reports`` (the ranks'): values set by batches that read what other
+    batches changed are named (:func:`name_values_read_from_partial_state`)."""
+    merged = StageMerge(merge_metric_stats([s[0] for s in states]), merge_attribute_states([s[1] for s in states]))
+    name_values_read_from_partial_state(merged.attributes, reports)
+    return merged
+
+
+def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> None:
+    """A value a batch set after reading an attribute that batches changed during the
+    stage (``self.n_items = len(self.items)``, ``self.last = next(self.it)``) holds,
+    on each rank, what that rank's batches alone made of it: it is named (a
+    conflict, left rank-local), never merged."""
+    changed = {top_label(label) for label in (*result.merged, *result.conflicts)}
+    changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())}
+    for rank, report in enumerate(reports):
+        for label, read in report.get("read_then_set", {}).items():
+            partial = sorted(set(read) & changed)
+            if not partial or label in result.conflicts:
+                continue
+            for key in [k for k in result.merged if top_label(k) == label]:
+                del result.merged[key]
+            result.conflicts[label] = (
+                f"a batch (on rank {rank}) set it after reading {partial}, which batches changed during the stage: "
+                "on each rank it is computed from that rank's batches only; compute it in on_stage_end from the "
+                "merged values")
 
 
 def last_candidates_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, List]:
@@ -118,7 +143,12 @@ class StageBook:
         for path in config.attributes_include or ():
             if "." in path and path not in config.attributes_exclude:
                 targets[path] = resolve(brain, path)
+        for path in config.merge:  # declared: merged by their reduction, not watched per batch
+            targets.pop(path, None)
         self.attributes = AttributeTracker(targets, config.attribute_memory_mb)
+        for path, reduction in config.merge.items():
+            owner, name = resolve(brain, path) if "." in path else (brain, path)
+            self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
         self._names_of: Tuple[Any, Any] = (None, None)  # (the Brain's attribute names, holders) last looked at
 
@@ -127,7 +157,7 @@ class StageBook:
         holding the ``metric_objects`` found, nor what ``sb.Brain`` set up)."""
         cfg, brain = self.config, self.brain
         names = set(vars(brain)) - brain._ddp_brain_attributes - _holders(metric_objects)
-        names -= set(cfg.attributes_exclude) | {"on_stage_start", "on_stage_end", "ddp_eval_config"}
+        names -= set(cfg.attributes_exclude) | set(cfg.merge) | {"on_stage_start", "on_stage_end", "ddp_eval_config"}
         plain = [n for n in cfg.attributes_include or () if "." not in n]
         if plain:  # names without a dot restrict the Brain's attributes; paths only add
             names &= set(plain)
@@ -146,6 +176,7 @@ class StageBook:
     def observe(self) -> None:
         """Notes what the batch just evaluated did (the values are plain until the
         next :meth:`start`-like preparation, ``attributes.before_batch()``)."""
+        self.attributes.stop_listening()  # what follows reads the containers too
         objects = self.metrics.after_batch(self.brain)
         holders, tracks = _holders(objects), self.attributes.tracks
         dropped = [h for h in holders if h in tracks]
@@ -176,7 +207,8 @@ class StageBook:
                 last[path] = (position, f"{type(exc).__name__}: {exc}")
         changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
         report = {"layout": describe(self.metrics, self.brain, positions), "unmergeable": unmergeable,
-                  "last": last, "changed": changed, "batches": self.metrics.batches}
+                  "last": last, "changed": changed, "batches": self.metrics.batches,
+                  "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()}}
         return Collected(report, (metric_state, changes), bound)
 
     def finish_alone(self, positions: Sequence[int]) -> None:
@@ -236,7 +268,7 @@ def simulate(positions_per_rank: Sequence[Sequence[int]], make, batch, config) -
             batch(brain, b)
             book.after_batch()
         records.append(pickle.loads(pickle.dumps(book.collect(list(positions)))))
-    merged = merge_stage([r.state for r in records])
+    merged = merge_stage([r.state for r in records], [r.report for r in records])
     winners = winners_of([r.report for r in records])
     won = [{label: blob for label, blob in r.bound.items() if winners.get(label) == rank}
            for rank, r in enumerate(records)]
