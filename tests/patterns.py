@@ -22,6 +22,13 @@ rank, returning what ``on_stage_end`` saw.
   BLEUStats-like nested list (``targets[0].extend``), values rebuilt from their previous
   one (``x = x + y``, ``torch.cat``, NumPy ``a = a + b``, ``ids = ids + [utt]``), and an
   attribute set to None in ``on_stage_start`` and assigned every batch.
+* ``idioms`` (issue 32): counters in a dataclass and a ``SimpleNamespace``, a set grown
+  with ``|=``, ``d[k] = d.get(k, 0) + 1``, ``setdefault(k, []).append``, a transcript grown
+  with ``+=``, a tensor accumulated through ``.data``, a ``MetricStats`` subclass with a
+  float field created lazily in a ``defaultdict``, and a best score declared
+  ``merge: max``: exact.
+* ``unmergeable_code`` (issue 32): a list sorted after each append, a ``deque(maxlen=5)``
+  of recent ids, a count read from accumulated state (``len(self.scores)``): named.
 
 VALID: 23 utterances at batch 3 (8 batches), 2 epochs; TEST: 4 at batch 2 (2 batches:
 at 3 ranks, rank 2 evaluates no TEST batch).
@@ -29,6 +36,7 @@ at 3 ranks, rank 2 evaluates no TEST batch).
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import io
@@ -37,6 +45,7 @@ import logging
 import os
 import pathlib
 import sys
+import types
 
 import numpy as np
 import speechbrain as sb
@@ -51,7 +60,8 @@ from torch.utils.data import DataLoader
 import ddp_eval
 from tests import toy
 
-PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code")
+PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
+            "unmergeable_code")
 
 
 def _bleu_stats():
@@ -111,6 +121,26 @@ class SpeakerStats(MetricStats):
         accuracy = sum(p == t for p, t in zip(self.predicts, self.targets[0])) / max(len(self.predicts), 1)
         self.summary = {"accuracy": accuracy, "per_spk": {s: sum(v) / len(v) for s, v in self.per_spk.items()}}
         return self.summary if field is None else self.summary[field]
+
+
+@dataclasses.dataclass
+class Tally:
+    """Counters a recipe keeps in a dataclass of its own."""
+
+    correct: int = 0
+    total: float = 0.0
+
+
+class ClassStats(MetricStats):
+    """A recipe's own MetricStats, made per class during the stage, with number fields."""
+
+    def __init__(self):
+        super().__init__(metric=None)
+        self.total, self.n = 0.0, 0
+
+    def add(self, score):
+        self.total += score  # cancelling floats: only batch order gives one process's bits
+        self.n += 1
 
 
 class PatternBrain(toy.ToyBrain):
@@ -303,6 +333,53 @@ class PatternBrain(toy.ToyBrain):
         return {"hist": list(self.hist), "spk": self.spk_stats.summarize(), "targets": self.spk_stats.targets,
                 "logit_sum": self.logit_sum.tolist(), "all_preds": self.all_preds.tolist(),
                 "prob_total": self.prob_total.tolist(), "order": list(self.order), "last_loss": self.last_loss}
+
+    # -- idioms (issue 32) -------------------------------------------------------------
+
+    def _start_idioms(self, stage):
+        self.tally, self.ns = Tally(), types.SimpleNamespace(n=0, total=0.0)
+        self.seen_labels, self.per_label, self.per_spk = set(), {}, {}
+        self.transcript, self.prob_acc = "", torch.zeros(toy.CLASSES, dtype=torch.float64)
+        self.per_class = collections.defaultdict(ClassStats)
+        self.best_score, self.last_ids = -1.0, None
+
+    def _batch_idioms(self, logits, labels, loss, batch, stage):
+        preds = logits.detach().argmax(-1)
+        probs = logits.detach().softmax(-1).double()
+        for utt, label, pred, prob in zip(batch.id, labels.tolist(), preds.tolist(), probs):
+            self.tally.correct += int(label == pred)
+            self.tally.total += float(prob[label])
+            self.ns.n += 1
+            self.ns.total += float(prob.max())
+            self.per_label[label] = self.per_label.get(label, 0) + 1
+            self.per_spk.setdefault(f"spk{int(utt[-1]) % 3}", []).append(utt)
+            self.per_class[label].add(float(prob[label]) - 0.25)
+            self.transcript += f"{utt} {pred}\n"
+        self.seen_labels |= set(labels.tolist())
+        self.prob_acc.data += probs.sum(0)
+        self.best_score = max(self.best_score, float(probs.max()))
+        self.last_ids = list(batch.id)
+
+    def _end_idioms(self, stage, stage_loss, epoch):
+        return {"tally": (self.tally.correct, self.tally.total), "ns": (self.ns.n, self.ns.total),
+                "seen": sorted(self.seen_labels), "per_label": dict(self.per_label), "per_spk": dict(self.per_spk),
+                "per_class": {k: (v.total, v.n) for k, v in self.per_class.items()}, "transcript": self.transcript,
+                "prob_acc": self.prob_acc.tolist(), "best": self.best_score, "last_ids": self.last_ids}
+
+    # -- unmergeable_code (issue 32) -----------------------------------------------------
+
+    def _start_unmergeable_code(self, stage):
+        self.sorted_scores, self.recent = [], collections.deque(maxlen=5)
+        self.n_scores = 0
+
+    def _batch_unmergeable_code(self, logits, labels, loss, batch, stage):
+        self.sorted_scores.append(float(loss))
+        self.sorted_scores.sort()
+        self.recent.extend(batch.id)
+        self.n_scores = len(self.sorted_scores)
+
+    def _end_unmergeable_code(self, stage, stage_loss, epoch):
+        return {"sorted": list(self.sorted_scores), "recent": list(self.recent), "n_scores": self.n_scores}
 
     # -- modules -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from tests import patterns
 from tests.mp_harness import results, run_ranks
 
 pytestmark = pytest.mark.timeout(400)
-EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code")
+EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def ranks(request, tmp_path_factory):
     """Every pattern on ``params`` ranks, in one process group."""
     folder = tmp_path_factory.mktemp(f"ranks{request.param}")
     outs = results(run_ranks(patterns.ranks_worker, request.param, str(folder), patterns.PATTERNS,
-                             {"collective_timeout": 60}, timeout=360))
+                             {"collective_timeout": 60, "merge": {"best_score": "max"}}, timeout=360))
     return request.param, outs
 
 
@@ -192,3 +192,23 @@ def test_an_ordinary_recipe_warns_about_nothing(tmp_path):
     """Metric objects of every type, lists, counters, dicts and tensors, fit then
     TEST with a rank that gets no TEST batch: nothing to name."""
     assert results(run_ranks(patterns.ordinary_recipe, 3, str(tmp_path), timeout=200)) == [[], [], []]
+
+
+def test_idioms_name_nothing(ranks):
+    """Issue 32: the idioms recipes write merge exactly (test_exact_patterns...) and warn about nothing."""
+    world_size, outs = ranks
+    for out in outs:
+        assert out["idioms"]["warnings"] == [], out["idioms"]["warnings"]
+
+
+def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
+    """Issue 32: a list sorted after each append, a deque of recent ids and a count read from
+    accumulated state: each named on every rank where it differs, with the idiom that merges."""
+    world_size, outs = ranks
+    warnings = " ".join(outs[0]["unmergeable_code"]["warnings"])
+    assert "'sorted_scores': a batch" in warnings and "sort()" in warnings, warnings
+    assert "'recent': a batch called extend() on this deque" in warnings
+    assert "'n_scores': a batch (on rank" in warnings and "set it after reading ['sorted_scores']" in warnings
+    want = evaluation_records(references["unmergeable_code"])
+    got = evaluation_records(outs[0]["unmergeable_code"])
+    assert any(g[k] != w[k] for g, w in zip(got, want) for k in ("sorted", "recent", "n_scores"))  # named, not merged

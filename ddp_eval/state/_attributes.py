@@ -67,7 +67,7 @@ from ddp_eval.state._rebuilt import (
     read_through_data,
     shares_entries,
 )
-from ddp_eval.state._recording import REMEDY, recording_copy, restore, unmergeable_operations
+from ddp_eval.state._recording import REMEDY, RecordingIterator, recording_copy, restore, unmergeable_operations
 from ddp_eval.state._values import (
     ABSENT,
     ELSEWHERE,
@@ -156,7 +156,8 @@ class Slot:
         if self.recorded is None:
             self.original = None
         else:
-            self.original_mark = Fingerprint.of(self.original, depth=1)  # changed through another reference?
+            self.original_mark = None if isinstance(self.recorded, RecordingIterator) else Fingerprint.of(
+                self.original, depth=1)  # changed through another reference?
             self.recorded.label = top_label(label)
             self.start = self.recorded
             set_value(owner, name, self.recorded)
@@ -330,6 +331,8 @@ class Slot:
                 self.fail(f"a {type(value).__name__} changed, and ddp_eval tells = from += only for Python "
                           "int and float; convert it with float() or int()")
                 return True
+            if self.obj is not ABSENT:  # set over a value (None, or a number changed without a probe)
+                BATCH_SETS.add(top_label(self.label))
             if empty:  # created where there was none, or bound over None (an assignment unless added to)
                 self.events.append((batch, ("~" if self.obj is ABSENT else "!") if not self.events else "=", value))
             else:  # changed while it had no probe (a dict entry created during the stage)
@@ -401,7 +404,7 @@ class Slot:
             self.fail(f"a batch bound a new {type(self.obj).__name__} to it and later ones changed that in place")
         if self.events and not is_number(self.obj) and self.watch.changes_after(-1):
             self.fail(f"a batch rebuilt it as a new {type(self.obj).__name__} and later ones changed that in place")
-        if self.why is None and self.events and (isinstance(self.obj, torch.Tensor) or is_array(self.obj)) and \
+        if self.why is None and self.events and _replay_is_cheap(self.obj, len(self.events)) and \
                 _recording.ENABLED and not replays_to(self.start, self.events, self.obj):
             self.fail("replaying what its batches did (x = x + y, torch.cat) from its stage-start value does not "
                       "give the value it holds: something changed it unseen (a write through .data of a rebuilt "
@@ -432,6 +435,8 @@ class Slot:
             return Kind.FOLD
         if self.assignments and not (self.created and self.assignments == 1):
             return Kind.LAST
+        if self.assignments and self.start is None and not self.watch.changes_after(self.assigned_at):
+            return Kind.LAST  # bound once over the None it held at stage start, unchanged since: x = value
         return self.watch.kind() or (Kind.LAST if self.assignments else None)
 
     def change(self, positions: Sequence[float], from_batch: int = 0, piece: bool = False) -> Optional[Change]:
@@ -469,6 +474,16 @@ class Slot:
             self.watch.apply(kind, data, last_value)
         else:
             _apply_from_nothing(self, kind, data, last_value)
+
+
+# a rebuilt tensor or array is replayed at stage end (replay equality) while batches x elements stays
+# below this: about 20 ms of additions; a larger one is checked by _version only (docs/exactness.md)
+REPLAY_ELEMENTS = 2 ** 24
+
+
+def _replay_is_cheap(value: Any, events: int) -> bool:
+    size = value.numel() if isinstance(value, torch.Tensor) else (value.size if is_array(value) else None)
+    return size is not None and size * events <= REPLAY_ELEMENTS
 
 
 _PROBED_CONTAINERS = {torch.Tensor, list, tuple} | ({numpy.ndarray} if numpy is not None else set())

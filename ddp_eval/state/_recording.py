@@ -32,6 +32,8 @@ Example
 """
 
 import collections
+import collections.abc
+import io
 import types
 from typing import Any, Dict, FrozenSet, List, Optional
 
@@ -213,10 +215,43 @@ _CLASSES = {kind: _recording_class(kind) for kind in TYPES}
 globals().update({cls.__name__: cls for cls in _CLASSES.values()})  # pickle finds them by name
 
 
+class RecordingIterator:
+    """Stands in for an iterator (or generator) during the stage: it is the same
+    iterator, advanced by each ``next()``, which it notes (a batch that consumes it
+    reads what earlier batches left of it: it is named)."""
+
+    _read = False
+    label = ""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.consumed = inner, False
+
+    def __iter__(self) -> "RecordingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        self.consumed = True
+        if LISTENING and not self._read:
+            self._read = True
+            READ.append(self)
+        return next(self.inner)
+
+    def __getattr__(self, name: str) -> Any:  # send(), close(), gi_frame, ...
+        return getattr(self.inner, name)
+
+    def __reduce_ex__(self, protocol: int) -> Any:  # pickles as the iterator it stands for
+        return self.inner.__reduce_ex__(protocol)
+
+
 def recording_copy(value: Any) -> Optional[Any]:
-    """A recording copy of a container of one of :data:`TYPES` (exactly that type), else None."""
+    """A recording copy of a container of one of :data:`TYPES` (exactly that type), a
+    :class:`RecordingIterator` for an iterator that is not a file; else None."""
+    if not ENABLED:
+        return None
     cls = _CLASSES.get(type(value))
-    if cls is None or not ENABLED:
+    if cls is None:
+        if isinstance(value, collections.abc.Iterator) and not isinstance(value, io.IOBase):
+            return RecordingIterator(value)
         return None
     builtin = _builtin(type(value))
     if type(value) is collections.defaultdict:
@@ -246,6 +281,10 @@ def is_recording(value: Any) -> bool:
 
 def unmergeable_operations(recorded: Any) -> Optional[str]:
     """Why the operations noted on ``recorded`` cannot be merged, and what to do; None if none were noted."""
+    if isinstance(recorded, RecordingIterator):
+        return ("batches consumed this iterator: in one process each batch reads the next item after every "
+                "earlier batch's, on a rank after its own batches' only; iterate in on_stage_end, or keep the "
+                "items in a list and index it by the batch") if recorded.consumed else None
     if not recorded.ops:
         return None
     kind = _builtin(recorded._kind)
@@ -258,6 +297,8 @@ def unmergeable_operations(recorded: Any) -> Optional[str]:
 def restore(recorded: Any, original: Any) -> Any:
     """Puts what ``recorded`` holds into ``original`` (the object it stood for) and
     gives ``original``; a deque's and a defaultdict's settings are kept."""
+    if isinstance(recorded, RecordingIterator):
+        return original  # advanced in place: nothing to copy
     kind = type(original)
     kind.clear(original)
     _fill(original, recorded, kind)
