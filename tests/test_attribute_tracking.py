@@ -4,6 +4,7 @@ compared with one process running the same batches (no process group: the
 multi-process path of the same code is tests/test_recipe_patterns.py)."""
 
 import collections
+import re
 import types
 
 import numpy as np
@@ -322,3 +323,49 @@ def test_dict_and_list_entries_that_go_quiet_then_change_again(layout):
     for holder in holders:
         assert_same(single, holder)
     assert single.counts == {"a": 1 + 2 + 3 + 21 + 28, "b": 240} and single.results["u1-0"] == -25
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_declared_merges_equal_one_process(layout):
+    """``ddp_eval: merge`` (issue 32): a running maximum and minimum, a sum and a set,
+    merged by their declared reduction; exact at any split, nothing named."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), best=-1.0,
+                                     worst=9.0, total=torch.zeros(2, dtype=torch.long), seen={"x"})
+
+    def batch(h, b):
+        h.best = max(h.best, (b * 7 % 5) * 0.1)
+        h.worst = min(h.worst, (b * 3 % 4) + 0.5)
+        h.total = h.total + b
+        h.seen = h.seen | {b % 3}
+
+    config = DDPEvalConfig(merge={"best": "max", "worst": "min", "total": "sum", "seen": "union"})
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, records, merged = simulate_stage(layout, make, batch, config)
+    assert not merged.attributes.conflicts and not any(r.report["unmergeable"] for r in records)
+    for holder in holders:
+        assert (holder.best, holder.worst, holder.seen) == (single.best, single.worst, single.seen)
+        assert torch.equal(holder.total, single.total)
+
+
+def test_a_declared_merge_the_record_contradicts_is_named():
+    """A value declared ``max`` that fell on a rank is named there, never merged."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), best=1.0)
+
+    def batch(h, b):
+        h.best = h.best - 0.5 if b == 1 else max(h.best, 2.0)
+
+    _, records, merged = simulate_stage([[0], [1]], make, batch, DDPEvalConfig(merge={"best": "max"}))
+    assert "declared 'merge: max', but it fell below" in records[1].report["unmergeable"]["best"]
+    assert "best" not in records[0].report["unmergeable"]
+
+
+@pytest.mark.parametrize("merge,message", [({"best": "maximum"}, "expects one of ['max', 'min', 'sum', 'union']"),
+                                           (["best"], "a mapping of attribute names to reductions")])
+def test_a_declared_merge_is_validated(merge, message):
+    from ddp_eval.errors import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DDPEvalConfig.from_hparams({"ddp_eval": {"merge": merge}})

@@ -472,7 +472,12 @@ def is_plain_object(value: Any) -> bool:
     return (isinstance(own, dict) and not isinstance(value, _CONTAINERS) and not callable(value)
             and not isinstance(value, (type, torch.nn.Module))
             and not sb_compat.holds_scratch_state(value) and not _is_metric_object(value)
-            and type(value).__module__.split(".")[0] not in ("torch", "numpy", "speechbrain", "logging", "io"))
+            and not any(cls.__module__.split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__))
+
+
+# an object whose class comes from (or extends one of) these is not the recipe's own data: a sampler,
+# a loader, a tokenizer (their fields change as they work, e.g. a sampler's epoch at stage start)
+_FRAMEWORKS = ("torch", "numpy", "speechbrain", "logging", "io", "threading", "sentencepiece", "transformers")
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque, bytearray, str, bytes, int, float, complex)
