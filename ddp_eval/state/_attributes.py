@@ -74,6 +74,7 @@ from ddp_eval.state._values import (
     Budget,
     Change,
     Kind,
+    Op,
     get_value,
     is_array,
     is_mutable,
@@ -243,7 +244,7 @@ class Slot:
             return True
         if what == "set" and not is_number(value):
             return None  # another kind of object bound to it
-        self.events.extend((batch, op, x) for op, x in (data if what == "ops" else [("=", data)]))
+        self.events.extend((batch, op, x) for op, x in (data if what == "ops" else [(Op.SET, data)]))
         self.obj = plain(value)
         set_value(self.owner, self.name, self.obj)
         return True
@@ -293,7 +294,7 @@ class Slot:
             self.fail("it was changed in place, then a batch rebuilt it from its previous value")
             return True
         if self.assigned_at is not None and not self.events:  # the binding rebuilt from is the first event
-            self.events.append((self.assigned_at, "!" if self.over_none else "=", plain_value(self.obj)))
+            self.events.append((self.assigned_at, Op.OVER_NONE if self.over_none else Op.SET, plain_value(self.obj)))
             self.assigned_at, self.assignments, self.created = None, 0, False
         self.events.extend((batch, op, x) for op, x in ops)
         self.obj = value
@@ -320,7 +321,7 @@ class Slot:
             return True
         if self.events and not is_number(value) and not is_number(self.obj):  # set anew after rebuilds
             BATCH_SETS.add(top_label(self.label))
-            self.events.append((batch, "=", plain_value(value)))
+            self.events.append((batch, Op.SET, plain_value(value)))
             self.obj = value
             self.watch = BoundWatch(self, value)
             return True
@@ -334,9 +335,10 @@ class Slot:
             if self.obj is not ABSENT:  # set over a value (None, or a number changed without a probe)
                 BATCH_SETS.add(top_label(self.label))
             if empty:  # created where there was none, or bound over None (an assignment unless added to)
-                self.events.append((batch, ("~" if self.obj is ABSENT else "!") if not self.events else "=", value))
+                self.events.append((batch, (Op.CREATED if self.obj is ABSENT else Op.OVER_NONE) if not self.events
+                                    else Op.SET, value))
             else:  # changed while it had no probe (a dict entry created during the stage)
-                self.events.append((batch, "?", (self.obj, value)))
+                self.events.append((batch, Op.UNPROBED, (self.obj, value)))
             self.hot = self.hot or not empty
             self.obj = value
             return True
@@ -364,7 +366,7 @@ class Slot:
         ``d[k].append(x)``) or a Counter's new count: it starts from the
         factory's value, as in one process, instead of being bound."""
         if is_number(initial):
-            self.events = [(batch, "^", initial)] + [(batch, op, x) for op, x in ops]
+            self.events = [(batch, Op.INITIAL, initial)] + [(batch, op, x) for op, x in ops]
             self.hot = True  # a factory's count (d[k] += 1): probes from the next batch
             self.obj = plain(value)
             set_value(self.owner, self.name, self.obj)

@@ -41,7 +41,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ddp_eval.state._rebuilt import add, concat, subtract
-from ddp_eval.state._values import ABSENT, is_array, numpy
+from ddp_eval.state._values import ABSENT, Op, is_array, numpy
 
 PROBED_TYPES = (int, float, str, bytes)
 
@@ -73,17 +73,17 @@ class _Probe:
 
     def __add__(self, other):
         if isinstance(self, (str, bytes)):  # s += line: concatenation, replayed in global batch order
-            return self._derive("&", other, _base(self)(self) + other)
-        return self._derive("+", other, _base(self)(self) + other)
+            return self._derive(Op.CONCAT, other, _base(self)(self) + other)
+        return self._derive(Op.ADD, other, _base(self)(self) + other)
 
     def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
         if isinstance(self, (str, bytes)):  # prefix + s: not replayed
             self._origin._used = True
             return other + _base(self)(self)
-        return self._derive("+", other, other + _base(self)(self))
+        return self._derive(Op.ADD, other, other + _base(self)(self))
 
     def __sub__(self, other):
-        return self._derive("-", other, _base(self)(self) - other)
+        return self._derive(Op.SUBTRACT, other, _base(self)(self) - other)
 
     def __reduce__(self):
         return _base(self), (_base(self)(self),)
@@ -192,7 +192,7 @@ def origin_of(root: _Probe, value: Any) -> Optional[Tuple[Any, List[Tuple[str, A
     return (plain(root), data if what == "ops" else []) if what in ("ops", "same") else None
 
 
-_APPLY = {"+": add, "-": subtract, "&": concat}
+_APPLY = {Op.ADD: add, Op.SUBTRACT: subtract, Op.CONCAT: concat}
 
 
 class _Unset:
@@ -220,11 +220,11 @@ def replay(start: Any, events: List[Tuple[str, Any]]) -> Any:
     """
     value = start
     for op, operand in events:
-        if op == "^":
+        if op == Op.INITIAL:
             value = operand if value is UNSET else value
-        elif op == "=":
+        elif op == Op.SET:
             value = operand
-        elif value is UNSET and op in "+&":
+        elif value is UNSET and op in (Op.ADD, Op.CONCAT):
             value = operand
         else:
             value = _APPLY[op](0 if value is UNSET else value, operand)
@@ -238,12 +238,12 @@ def replays_to(start: Any, events: List[Tuple[int, str, Any]], value: Any) -> bo
     current = UNSET if start is None or start is ABSENT else start
     try:
         for _, op, operand in events:
-            if op in ("=", "!", "~") or (op == "^" and current is UNSET):
+            if op in (Op.SET, Op.OVER_NONE, Op.CREATED) or (op == Op.INITIAL and current is UNSET):
                 current = operand
-            elif op == "?":
+            elif op == Op.UNPROBED:
                 current = operand[1]
-            elif op != "^":
-                current = operand if current is UNSET and op == "&" else _APPLY[op](current, operand)
+            elif op != Op.INITIAL:
+                current = operand if current is UNSET and op == Op.CONCAT else _APPLY[op](current, operand)
         return _same_values(current, value)
     except Exception:  # shapes or types that do not combine: not what the record says
         return False

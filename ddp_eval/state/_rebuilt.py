@@ -39,7 +39,7 @@ import torch
 
 from ddp_eval.state import _recording
 from ddp_eval.state._recording import GROWS, changing_methods, is_recording
-from ddp_eval.state._values import is_array, numpy
+from ddp_eval.state._values import Op, is_array, numpy
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__"}
 _SUB = {"sub", "__sub__"}
@@ -116,17 +116,17 @@ class _Record:
         if name in _NO_READ or out is root:  # metadata, or changed in place (seen by _version)
             return
         if name in _ADD and len(args) == 2 and not kwargs and any(a is root for a in args):
-            self._result(out, "+", args[1] if args[0] is root else args[0])
+            self._result(out, Op.ADD, args[1] if args[0] is root else args[0])
         elif name in _SUB and len(args) == 2 and not kwargs and args[0] is root:
-            self._result(out, "-", args[1])
+            self._result(out, Op.SUBTRACT, args[1])
         elif (name in _CAT and args and isinstance(args[0], (list, tuple)) and args[0] and args[0][0] is root
               and _axis(args, kwargs) == 0 and len(args) <= 2):
             rest = [_plain(x) for x in args[0][1:]]
             tail = rest[0] if len(rest) == 1 else _cat(rest)
-            self._result(out, "&", tail)
+            self._result(out, Op.CONCAT, tail)
         elif (name == "append" and len(args) == 2 and args[0] is root and getattr(root, "ndim", 0) == 1
               and kwargs.get("axis") is None):  # numpy.append of a 1-d array: concatenation
-            self._result(out, "&", numpy.ravel(_plain(args[1])))
+            self._result(out, Op.CONCAT, numpy.ravel(_plain(args[1])))
         elif name not in _MOVES:
             self.used = self.read = True
 
@@ -281,7 +281,7 @@ class _EmptyProbe:
     def __add__(self, other):
         result = self._base.__add__(self._base(self), other)
         if result is not NotImplemented:
-            self._ddp_record._result(result, "&", self._base(other))
+            self._ddp_record._result(result, Op.CONCAT, self._base(other))
         return result
 
     def __reduce__(self):
@@ -450,7 +450,7 @@ def extends(old: Any, new: Any) -> Optional[Tuple[str, Any]]:
         return None
     if any(a is not b for a, b in zip(old, new)):
         return None
-    return ("&" if old else "?&"), new[len(old):]
+    return (Op.CONCAT if old else Op.CONCAT_OR_SET), new[len(old):]
 
 
 def shares_entries(old: Any, new: Any) -> bool:

@@ -71,6 +71,26 @@ class Kind(str, enum.Enum):
     REDUCE = "reduce"
 
 
+class Op(str, enum.Enum):
+    """What one event of a value's record did (``FOLD`` events: ``(position, op, operand)``).
+    A ``str`` enum: an event read from an older journal (the plain string) compares equal."""
+
+    ADD = "+"
+    SUBTRACT = "-"
+    CONCAT = "&"  # s += x, x = torch.cat([x, y]), ids = ids + [utt]
+    SET = "="
+    CREATED = "~"  # bound where there was none: an addend if anything adds to it, else set
+    OVER_NONE = "!"  # bound over the None it held: the same
+    INITIAL = "^"  # a factory's or a handed-out default's value, taken while there is none
+    UNPROBED = "?"  # changed while it had no probe: (before, after), told by its other changes
+    CONCAT_OR_SET = "?&"  # bound once over an empty list or tuple: extended, or set anew
+
+    def __repr__(self) -> str:  # as the code it stands for: ('+', 2) in a record
+        return repr(self.value)
+
+    __str__ = str.__str__
+
+
 class Change(NamedTuple):
     """What one rank's batches did to one attribute during a stage.
 

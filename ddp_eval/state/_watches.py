@@ -44,6 +44,7 @@ from ddp_eval.state._values import (
     SMALL_DICT,
     Budget,
     Kind,
+    Op,
     cpu_copy,
     exact_dtype,
     get_value,
@@ -392,7 +393,7 @@ class DictWatch(Watch):
         if handed and handed.get(id(value)) is value:
             return value, []
         if isinstance(self.obj, collections.Counter) and type(value) in PROBED_TYPES:
-            return 0, [("+", value)]
+            return 0, [(Op.ADD, value)]
         return None
 
     def kind(self) -> Optional[Kind]:

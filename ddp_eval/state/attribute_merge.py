@@ -30,7 +30,7 @@ is taken, as for ``=``, and the label is returned in ``assumed``.
 
 Example
 -------
->>> from ddp_eval.state._values import Change, Kind
+>>> from ddp_eval.state._values import Change, Kind, Op
 >>> rank0 = {"n": Change(Kind.FOLD, [(0, "+", 2), (2, "+", 1)]), "last": Change(Kind.LAST, None, 2, "b0")}
 >>> rank1 = {"n": Change(Kind.FOLD, [(1, "=", 10)]), "last": Change(Kind.LAST, None, 1, "b1")}
 >>> result = merge_attribute_states([rank0, rank1])
@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 from ddp_eval.state._declared import REDUCTIONS, reduce_values
 from ddp_eval.state._order import in_global_order
-from ddp_eval.state._values import Change, Kind
+from ddp_eval.state._values import Change, Kind, Op
 
 Merged = Tuple[Kind, Any]
 __all__ = ["REDUCTIONS", "MergeResult", "merge_attribute_states", "merge_changes", "last_writer", "last_candidates"]
@@ -139,27 +139,29 @@ def _one_each(positions: Sequence[float], items: Sequence[Any]):
 def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResult") -> Optional[list]:
     events = in_global_order([_one_each([p for p, _, _ in events], [(op, x) for _, op, x in events])
                               for events in per_contribution])
-    adds = any(op in ("+", "-", "&") for op, _ in events)
-    if not adds and sum([op for _, op, _ in events] in (["~"], ["?"]) for events in per_contribution) > 1:
+    adds = any(op in (Op.ADD, Op.SUBTRACT, Op.CONCAT) for op, _ in events)
+    if not adds and sum([op for _, op, _ in events] in ([Op.CREATED], [Op.UNPROBED])
+                        for events in per_contribution) > 1:
         result.assumed[label] = _CREATED_ONCE
-    elif not adds and sum([op for _, op, _ in events] == ["?&"] for events in per_contribution) > 1 and not any(
-            op == "=" for op, _ in events):
+    elif not adds and sum([op for _, op, _ in events] == [Op.CONCAT_OR_SET] for events in per_contribution) > 1 \
+            and not any(op == Op.SET for op, _ in events):
         result.assumed[label] = _REBUILT_ONCE
-    elif not adds and not any(op == "=" for op, _ in events) and any(op == "?" for op, _ in events):
+    elif not adds and not any(op == Op.SET for op, _ in events) and any(op == Op.UNPROBED for op, _ in events):
         result.assumed[label] = _UNPROBED
     return [_decided(op, x, adds) for op, x in events]
 
 
-def _decided(op: str, x: Any, adds: bool) -> Tuple[str, Any]:
-    """``~`` (created) and ``?`` (a dict entry's first change, ``(before, after)``):
-    addends if the label is added to anywhere, else assignments."""
-    if op in ("~", "!"):  # created where there was none, or bound over None
-        return ("+" if adds else "="), x
-    if op == "?&":  # a list rebuilt over an empty one: grown, or set anew
-        return ("&" if adds else "="), x
-    if op == "?":
+def _decided(op: Op, x: Any, adds: bool) -> Tuple[Op, Any]:
+    """``CREATED``, ``OVER_NONE`` and ``UNPROBED`` (a dict entry's first change,
+    ``(before, after)``): addends if the label is added to anywhere, else assignments;
+    ``CONCAT_OR_SET`` likewise concatenation or assignment."""
+    if op in (Op.CREATED, Op.OVER_NONE):  # created where there was none, or bound over None
+        return (Op.ADD if adds else Op.SET), x
+    if op == Op.CONCAT_OR_SET:  # a list rebuilt over an empty one: grown, or set anew
+        return (Op.CONCAT if adds else Op.SET), x
+    if op == Op.UNPROBED:
         before, after = x
-        return ("+", after - before) if adds else ("=", after)
+        return (Op.ADD, after - before) if adds else (Op.SET, after)
     return op, x
 
 
