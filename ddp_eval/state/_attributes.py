@@ -531,6 +531,8 @@ class AttributeTracker:
         self._piece_from = 0  # where the next journal piece starts
         self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget)
                                         for label, (owner, name) in targets.items()}
+        self._copies = list(_recording.CREATED)  # the recording copies its slots made (all, at stage start)
+        _recording.CREATED.clear()
         self.read_then_set: Dict[str, set] = {}  # label set by a batch -> labels that batch read
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
@@ -563,11 +565,13 @@ class AttributeTracker:
         BATCH_READS.clear()
         BATCH_SETS.clear()
         _recording.LISTENING = _recording.ENABLED
+        _recording.listen(self._copies, True)
 
     def stop_listening(self) -> None:
         """The batch is over: reads of the recording containers from here on are ddp_eval's own."""
         if _recording.LISTENING:
             _recording.LISTENING = False
+            _recording.listen(self._copies, False)
             BATCH_READS.update(recorded.label for recorded in _recording.READ)
 
     def after_batch(self) -> None:
@@ -631,6 +635,7 @@ class AttributeTracker:
     def release(self) -> None:
         """Takes probes and factories out of the watched objects (see :meth:`Slot.release`)."""
         _recording.LISTENING = False
+        _recording.listen(self._copies, False)
         for slot in self.tracks.values():
             slot.release()
 

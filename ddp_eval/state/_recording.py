@@ -23,7 +23,9 @@ attribute at stage end.
 Example
 -------
 >>> scores = recording_copy([3.0])
+>>> listen([scores], True)  # a batch runs
 >>> scores.append(1.0); scores.sort()
+>>> listen([scores], False)
 >>> scores.ops, type(scores).__name__, scores == [1.0, 3.0]
 (['sort'], 'RecordingList', True)
 >>> plain_copy = restore(scores, original=[3.0])
@@ -206,13 +208,27 @@ def _recording_class(kind: type) -> type:
         namespace["get"] = _handing_probe(kind.get)
     if _builtin(kind) is set:
         namespace.update({name: _keeping_result(kind, name) for name in _BUILDS_SET if hasattr(kind, name)})
-    namespace.update(_kind=kind, _grows=grows, __module__=__name__)
-    name = "Recording" + kind.__name__[:1].upper() + kind.__name__[1:]
-    return type(name, (_Recording, kind), namespace)
+    namespace["__module__"] = __name__
+    name = kind.__name__[:1].upper() + kind.__name__[1:]
+    # between batches a copy is of the quiet class (the type's own C methods: ddp_eval's reads cost
+    # nothing); while a batch runs, of the listening one (every method noted), see listen()
+    quiet = type("Recording" + name, (_Recording, kind), {"_kind": kind, "_grows": grows, "__module__": __name__})
+    listening = type("Listening" + name, (quiet,), namespace)
+    quiet._quiet = listening._quiet = quiet
+    quiet._listening = listening._listening = listening
+    return quiet, listening
 
 
-_CLASSES = {kind: _recording_class(kind) for kind in TYPES}
-globals().update({cls.__name__: cls for cls in _CLASSES.values()})  # pickle finds them by name
+_CLASSES = {kind: _recording_class(kind)[0] for kind in TYPES}
+globals().update({cls.__name__: cls for quiet in _CLASSES.values() for cls in (quiet, quiet._listening)})
+CREATED: list = []  # recording copies made since their attribute tracker took them (see listen)
+
+
+def listen(copies: list, on: bool) -> None:
+    """Switches recording copies to noting what is called on them (a batch runs) or not."""
+    for copy in copies:
+        if not isinstance(copy, RecordingIterator):
+            copy.__class__ = copy._listening if on else copy._quiet
 
 
 class RecordingIterator:
@@ -251,7 +267,8 @@ def recording_copy(value: Any) -> Optional[Any]:
     cls = _CLASSES.get(type(value))
     if cls is None:
         if isinstance(value, collections.abc.Iterator) and not isinstance(value, io.IOBase):
-            return RecordingIterator(value)
+            CREATED.append(RecordingIterator(value))
+            return CREATED[-1]
         return None
     builtin = _builtin(type(value))
     if type(value) is collections.defaultdict:
@@ -263,6 +280,7 @@ def recording_copy(value: Any) -> Optional[Any]:
         copy = cls()
     copy.ops, copy.handed, copy.built = [], {}, []
     _fill(copy, value, type(value))
+    CREATED.append(copy)
     return copy
 
 
