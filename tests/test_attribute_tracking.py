@@ -369,3 +369,32 @@ def test_a_declared_merge_is_validated(merge, message):
     from ddp_eval.errors import ConfigError
     with pytest.raises(ConfigError, match=re.escape(message)):
         DDPEvalConfig.from_hparams({"ddp_eval": {"merge": merge}})
+
+
+class _Slotted:
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+
+def test_state_the_engine_cannot_read_is_named_when_it_changes():
+    """Issue 32, item 2: a deque, a class with ``__slots__``, a random generator and an
+    iterator, changed by batches: each named (by its operations or by a digest of its
+    pickled state), never trusted by identity; the same objects left alone name nothing."""
+    import random
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
+                                     recent=collections.deque(maxlen=3), slotted=_Slotted(), rng=random.Random(0),
+                                     it=iter(range(100)), kept=_Slotted(), idle_rng=random.Random(1))
+
+    def batch(h, b):
+        h.recent.append(b)
+        h.slotted.n += 1
+        h.rng.random()
+        next(h.it)
+
+    _, records, _ = simulate_stage([[0, 2], [1]], make, batch, DDPEvalConfig())
+    for record in records:
+        assert set(record.report["unmergeable"]) == {"recent", "slotted", "rng", "it"}, record.report["unmergeable"]

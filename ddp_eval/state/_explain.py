@@ -82,7 +82,8 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
     own = getattr(value, "__dict__", None)
     if callable(value) or isinstance(value, (type, torch.nn.Module)):
         return ("object", id(value))
-    if own is None or type(value).__reduce_ex__ is not object.__reduce_ex__:  # state the engine cannot read
+    if own is None or type(value).__reduce_ex__ is not object.__reduce_ex__ or (  # state the engine cannot read
+            type(value).__reduce__ is not object.__reduce__):  # (random.Random keeps its state in C)
         return ("object", id(value), opaque_digest(value))
     return ("object", id(value), tuple((k, _leaf(v, held, depth + 1)) for k, v in sorted(own.items(), key=str)
                                        if not callable(v)))

@@ -28,6 +28,7 @@ import collections
 import itertools
 import logging
 import operator
+import types
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -473,7 +474,14 @@ def is_plain_object(value: Any) -> bool:
     return (isinstance(own, dict) and not isinstance(value, _CONTAINERS) and not callable(value)
             and not isinstance(value, (type, torch.nn.Module))
             and not sb_compat.holds_scratch_state(value) and not _is_metric_object(value)
-            and not any(cls.__module__.split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__))
+            and not any(cls.__module__.split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__)
+            and all(cls in _DICT_ONLY or cls.__dictoffset__ or cls.__dict__.get("__slots__") == ()
+                    for cls in type(value).__mro__))
+
+
+# a base class whose instances have no __dict__ keeps state the __dict__ does not show (random.Random's
+# generator, in C): such an object is compared whole, by a digest of its pickled state (_explain)
+_DICT_ONLY = (object, types.SimpleNamespace)
 
 
 # an object whose class comes from (or extends one of) these is not the recipe's own data: a sampler,
