@@ -90,8 +90,8 @@ def _noting(kind: type, name: str):
     method = getattr(kind, name)
 
     def noted(self, *args, **kwargs):
-        if self._depth == 0 and name not in self._grows:
-            self.ops.append(name)
+        if self._depth == 0 and name not in self._grows and name not in self.ops:
+            self.ops.append(name)  # each name once: a sort per batch keeps one entry, not one a batch
         self._depth += 1
         try:
             return method(self, *args, **kwargs)
@@ -229,6 +229,8 @@ def listen(copies: list, on: bool) -> None:
     for copy in copies:
         if not isinstance(copy, RecordingIterator):
             copy.__class__ = copy._listening if on else copy._quiet
+            if on:
+                copy.built.clear()  # sets built from it by the previous batch, already looked at
 
 
 class RecordingIterator:
