@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ddp_eval  # noqa: E402
-from ddp_eval.dist import fsdp  # noqa: E402
+from ddp_eval.distributed import fsdp  # noqa: E402
 
 
 class Classifier(sb.Brain):

@@ -6,7 +6,7 @@ gloo process groups at 1-16 ranks.
 
 1. Control plane. Ranks are threads of one process, each with its own TCPStore
    client of one server (as torchrun's agent store serves every worker).
-   Seconds per exchange of ``ddp_eval.dist.ControlChannel`` (rank 0 gathers,
+   Seconds per exchange of ``ddp_eval.distributed.ControlChannel`` (rank 0 gathers,
    posts one answer) against the 0.1.0 shape (every rank reads all N keys),
    measured in the same run.
 2. Real gloo groups on this machine (TCPStore rendezvous, as under torchrun):
@@ -93,14 +93,14 @@ def eval_worker(rank, world_size, n_items):
         finally:
             timings["stage_end_s"] = time.perf_counter() - start
 
-    gather = ddp_eval.dist.all_gather_bytes
+    gather = ddp_eval.distributed.all_gather_bytes
 
     def recording_gather(*parts):
         sizes.append(sum(len(part) for part in parts))
         return gather(*parts)
 
     ddp_eval.stage._sharded.ShardedStage.finish = timed_finish
-    ddp_eval.dist.all_gather_bytes = recording_gather
+    ddp_eval.distributed.all_gather_bytes = recording_gather
     torch.manual_seed(0)
     brain = Timed({"model": torch.nn.Sequential(torch.nn.Linear(toy.FEATS, 2048), torch.nn.Tanh(),
                                                 torch.nn.Linear(2048, 2048), torch.nn.Tanh(),

@@ -29,8 +29,8 @@ Errors
 from ddp_eval.checkpointing.checkpoint import Checkpointer
 from ddp_eval.checkpointing.commit import CheckpointFolder, inspect_checkpoint_dir
 from ddp_eval.config import DDPEvalConfig
-from ddp_eval.dist import ControlChannel, warn_shared_store_restarts
-from ddp_eval.dist.dcp import load_full_state_dict
+from ddp_eval.distributed import ControlChannel, warn_shared_store_restarts
+from ddp_eval.distributed.dcp import load_full_state_dict
 from ddp_eval.errors import (
     BatchPlanError,
     CheckpointLoadError,

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from speechbrain.utils import checkpoints as sb_ckpt
 
 from ddp_eval.checkpointing.commit import MANIFEST_KEY, TMP_PREFIX, TRASH_PREFIX, inspect_checkpoint_dir, read_meta
-from ddp_eval.dist.dcp import SUFFIX as SHARDED_SUFFIX
+from ddp_eval.distributed.dcp import SUFFIX as SHARDED_SUFFIX
 from ddp_eval.stage import JOURNAL_DIRNAME, describe_journals
 
 _LEFTOVERS = {

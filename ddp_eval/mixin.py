@@ -10,10 +10,10 @@ import torch
 from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader
 
-from ddp_eval import dist
+from ddp_eval import distributed as dist
 from ddp_eval.checkpointing.checkpoint import writer_only_saves
 from ddp_eval.config import DDPEvalConfig
-from ddp_eval.dist import fsdp
+from ddp_eval.distributed import fsdp
 from ddp_eval.errors import ConfigError
 from ddp_eval.stage import JOURNAL_DIRNAME, ShardedStage, check_states_agree, state_summaries
 from ddp_eval.stage.sharding import is_sharded, shard_dataloader

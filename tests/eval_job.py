@@ -50,7 +50,7 @@ def main(ckpt_dir, out_dir, seconds_per_batch=0.02):
         record = brain.log[-1]
         json.dump({"loss": loss, "metrics": repr(record["metrics"]), "fields": {k: record[k] for k in FIELDS},
                    "batches": brain.seen.batches,
-                   "world_size": ddp_eval.dist.get_world_size(),
+                   "world_size": ddp_eval.distributed.get_world_size(),
                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}, f)
 
 

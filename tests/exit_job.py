@@ -41,7 +41,7 @@ class _SlowReader:
 
 def main(ckpt_dir):
     sb.utils.distributed.ddp_init_group({"distributed_backend": "gloo"})
-    channel = ddp_eval.dist.default_channel()
+    channel = ddp_eval.distributed.default_channel()
     if os.environ["RANK"] == "1":
         channel.store = _SlowReader(channel.store, 0.3)
     brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts={"collective_timeout": 30})

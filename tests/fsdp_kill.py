@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_files
 
 import ddp_eval
-from ddp_eval.dist import dcp, fsdp
+from ddp_eval.distributed import dcp, fsdp
 from tests import kill_points
 
 

@@ -172,7 +172,7 @@ def _patched(before, after):
 
 def _failure_kind(exc):
     """``"agreed"``: one of ddp_eval's errors, which the ranks agree on before raising
-    (:func:`ddp_eval.dist.decide`, a failing rank raising its own exception);
+    (:func:`ddp_eval.distributed.decide`, a failing rank raising its own exception);
     ``"timeout"``: a collective timed out, and may still be under way; else ``"other"``."""
     from ddp_eval.errors import CollectiveTimeoutError, DDPEvalError
 
@@ -204,7 +204,7 @@ def _serve(conn):
     import torch
     import torch.distributed as dist
 
-    import ddp_eval.dist
+    import ddp_eval.distributed
 
     torch.set_num_threads(1)
     before = _module_globals()  # then after each task: what the next one starts with
@@ -232,10 +232,10 @@ def _serve(conn):
         if conn.recv()[0] != "release":
             os._exit(0)
         dist.destroy_process_group()
-        ddp_eval.dist.set_timeout(ddp_eval.dist.DEFAULT_TIMEOUT_S)
+        ddp_eval.distributed.set_timeout(ddp_eval.distributed.DEFAULT_TIMEOUT_S)
         # As in a new process: ddp_eval counts the default groups a process made (its
         # store keys carry the count); pooled ranks of one group have made different numbers.
-        ddp_eval.dist._default.update(group=None, channel=None, generation=0)
+        ddp_eval.distributed._default.update(group=None, channel=None, generation=0)
         snapshot.restore()
         torch.set_num_threads(1)
         torch.set_default_dtype(torch.float32)

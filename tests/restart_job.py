@@ -35,7 +35,7 @@ class RestartedBrain(toy.DDPToyBrain):
 
     def on_stage_end(self, stage, stage_loss, epoch=None):
         if int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0 and os.environ["RANK"] == "1":
-            channel = ddp_eval.dist.default_channel()  # rank 0 reaches the next exchange first
+            channel = ddp_eval.distributed.default_channel()  # rank 0 reaches the next exchange first
             channel.store.wait([channel.envelope_key(0)], datetime.timedelta(seconds=60))
         super().on_stage_end(stage, stage_loss, epoch)
 

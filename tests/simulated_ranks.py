@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddp_eval.dist import ControlChannel
+from ddp_eval.distributed import ControlChannel
 
 
 class SimulatedRanks:

@@ -3,7 +3,7 @@
 import pytest
 
 from ddp_eval import CollectiveTimeoutError, OutOfStepError, RankFailedError
-from ddp_eval.dist import ControlChannel, incarnation_namespace
+from ddp_eval.distributed import ControlChannel, incarnation_namespace
 from tests.simulated_ranks import SimulatedRanks
 
 pytestmark = pytest.mark.timeout(120)

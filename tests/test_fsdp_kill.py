@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ddp_eval.dist import fsdp
+from ddp_eval.distributed import fsdp
 from tests import fsdp_kill
 from tests.mp_harness import results, run_ranks
 

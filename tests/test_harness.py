@@ -16,7 +16,7 @@ def _starts(world_size):
 
 
 def _clean(outs):
-    return all(o["trace"] is None and o["cwd"] == os.getcwd() and o["get_rank"] == "ddp_eval.dist"
+    return all(o["trace"] is None and o["cwd"] == os.getcwd() and o["get_rank"] == "ddp_eval.distributed"
                and o["seed"] not in (5, 6, 7) for o in outs)  # leave_traces seeds rank + 5
 
 
@@ -34,7 +34,7 @@ def test_the_next_test_finds_the_environment_directory_and_seed_of_a_new_process
 def test_a_monkeypatch_left_behind_discards_the_pool():
     pids = [o["pid"] for o in _starts(2)]
     assert results(run_ranks(workers.leave_traces, 2, True, timeout=60)) == pids
-    assert POOL.discarded[-1].startswith("leave_traces: patched ['ddp_eval.dist.get_rank'")
+    assert POOL.discarded[-1].startswith("leave_traces: patched ['ddp_eval.distributed.get_rank'")
     after = _starts(2)
     assert not {o["pid"] for o in after} & set(pids) and _clean(after)  # new processes
 

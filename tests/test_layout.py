@@ -14,13 +14,14 @@ PACKAGE = pathlib.Path(ddp_eval.__file__).parent
 BASE = {"ddp_eval.errors", "ddp_eval.sb_compat"}
 ALLOWED = {  # subpackage -> what its modules may import besides themselves
     "state": BASE,
-    "checkpointing": BASE | {"ddp_eval.dist", "ddp_eval.config"},
-    "stage": BASE | {"ddp_eval.dist", "ddp_eval.config", "ddp_eval.state", "ddp_eval.checkpointing"},
+    "checkpointing": BASE | {"ddp_eval.distributed", "ddp_eval.config"},
+    "stage": BASE | {"ddp_eval.distributed", "ddp_eval.config", "ddp_eval.state", "ddp_eval.checkpointing"},
 }
 
 
 def imported(path: pathlib.Path):
-    """The ddp_eval modules a file imports (``from ddp_eval import dist`` as ddp_eval.dist)."""
+    """The ddp_eval modules a file imports (``from ddp_eval import distributed as dist`` as
+    ddp_eval.distributed)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddp_eval"):
@@ -52,14 +53,14 @@ def test_imports_go_downward_only(package):
 
 
 def test_the_check_sees_a_broken_import(tmp_path):
-    """The check itself can fail: a state module importing dist is caught."""
+    """The check itself can fail: a state module importing distributed is caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from ddp_eval import dist\nfrom ddp_eval.state._values import ABSENT\n")
-    assert {t for t in imported(bad) if not _allowed("ddp_eval.state.bad", t)} == {"ddp_eval.dist"}
+    bad.write_text("from ddp_eval import distributed as dist\nfrom ddp_eval.state._values import ABSENT\n")
+    assert {t for t in imported(bad) if not _allowed("ddp_eval.state.bad", t)} == {"ddp_eval.distributed"}
 
 
-def test_only_the_dist_module_touches_torch_distributed():
-    """One package owns every torch.distributed call (the guide): ``dist`` (the
+def test_only_the_distributed_package_touches_torch_distributed():
+    """One package owns every torch.distributed call (the guide): ``distributed`` (the
     control plane and collectives), with FSDP and DCP in modules of their own; SpeechBrain's own
     distributed helpers are reached through sb_compat."""
     def touches(path):
@@ -74,7 +75,7 @@ def test_only_the_dist_module_touches_torch_distributed():
         return False
 
     users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                   if p.relative_to(PACKAGE).parts[0] != "dist" and touches(p))
+                   if p.relative_to(PACKAGE).parts[0] != "distributed" and touches(p))
     assert users == [], users
 
 
@@ -99,3 +100,33 @@ def test_private_modules_are_imported_only_inside_their_subpackage():
             if private and names[0] != here:
                 broken.append(f"ddp_eval.{'.'.join(parts)} imports {target}")
     assert not broken, "private modules imported from outside their subpackage:\n" + "\n".join(broken)
+
+
+def _package_files():
+    return {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")}
+
+
+def test_lint_sees_every_module_of_the_package():
+    """ruff's default exclusions (``dist``, ``build``, ...) must not hide a module: every
+    file under ddp_eval/ is one that ``ruff check . --show-files`` lists (issue 38)."""
+    import subprocess
+    import sys
+    shown = subprocess.run([sys.executable, "-m", "ruff", "check", ".", "--show-files"], cwd=PACKAGE.parent,
+                           capture_output=True, text=True, check=True).stdout
+    linted = {str(pathlib.Path(line.strip()).resolve().relative_to(PACKAGE.parent)) for line in shown.splitlines()
+              if line.strip().endswith(".py") and pathlib.Path(line.strip()).resolve().is_relative_to(PACKAGE)}
+    assert _package_files() - linted == set(), "modules ruff does not lint"
+
+
+def test_doctests_are_collected_from_every_module_of_the_package():
+    """pytest's ``norecursedirs`` (``dist``, ``build``, ...) must not hide a module: every
+    module of ddp_eval/ with a doctest example has its doctests collected (issue 38)."""
+    import subprocess
+    import sys
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "ddp_eval"],
+                            cwd=PACKAGE.parent, capture_output=True, text=True).stdout
+    collected = {line.split("::")[0] for line in listed.splitlines() if "::" in line}
+    with_examples = {f for f in _package_files() if ">>> " in (PACKAGE.parent / f).read_text()}
+    assert with_examples, "no module with a doctest: the check would pass on nothing"
+    assert "ddp_eval/distributed/__init__.py" in with_examples
+    assert with_examples - collected == set(), "modules whose doctests pytest does not collect"

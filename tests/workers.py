@@ -334,23 +334,23 @@ def leave_traces(rank, world_size, patch):
     ddp_eval, none of them undone."""
     import torch
 
-    import ddp_eval.dist
+    import ddp_eval.distributed
 
     os.environ["DDP_EVAL_TEST_TRACE"] = "left"
     os.chdir("/")
     torch.manual_seed(rank + 5)
     if patch:
-        ddp_eval.dist.get_rank = lambda: rank
+        ddp_eval.distributed.get_rank = lambda: rank
     return os.getpid()
 
 
 def what_a_rank_starts_with(rank, world_size):
     import torch
 
-    import ddp_eval.dist
+    import ddp_eval.distributed
 
     return {"pid": os.getpid(), "trace": os.environ.get("DDP_EVAL_TEST_TRACE"), "cwd": os.getcwd(),
-            "get_rank": ddp_eval.dist.get_rank.__module__, "seed": torch.initial_seed()}
+            "get_rank": ddp_eval.distributed.get_rank.__module__, "seed": torch.initial_seed()}
 
 
 def fail_together(rank, world_size, how):
@@ -359,7 +359,7 @@ def fail_together(rank, world_size, how):
     ``"thread"``, a thread of the test's still running."""
     import threading
 
-    from ddp_eval import dist
+    from ddp_eval import distributed as dist
     from ddp_eval.errors import CollectiveTimeoutError
 
     def local():
@@ -382,7 +382,7 @@ def exit_hook(rank, world_size, uncaught_on):
     script had ended by an uncaught exception; whether the process group is still there."""
     import torch.distributed
 
-    from ddp_eval import dist
+    from ddp_eval import distributed as dist
 
     dist.decide("the last exchange", lambda: rank)
     if rank == uncaught_on:

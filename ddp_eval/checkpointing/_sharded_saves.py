@@ -1,6 +1,6 @@
 """Checkpoints with sharded recoverables (FSDP modules and their optimizers): every
 rank writes its shard with ``torch.distributed.checkpoint``
-(:mod:`ddp_eval.dist.dcp`) into the writer's hidden work directory, then the
+(:mod:`ddp_eval.distributed.dcp`) into the writer's hidden work directory, then the
 writer writes the rest and commits (:mod:`ddp_eval.checkpointing.commit`), so the
 checkpoint is complete or absent; with ``async_save`` every rank copies its
 shards during the call and writes them in the background.
@@ -17,9 +17,10 @@ from typing import Any, Dict, List, Optional
 import torch
 from speechbrain.utils import checkpoints as sb_ckpt
 
-from ddp_eval import dist, sb_compat
+from ddp_eval import distributed as dist
+from ddp_eval import sb_compat
 from ddp_eval.checkpointing._async_save import by_saver
-from ddp_eval.dist import dcp, fsdp
+from ddp_eval.distributed import dcp, fsdp
 from ddp_eval.errors import CheckpointWriteError, ConfigError
 
 logger = logging.getLogger("ddp_eval.checkpointing.checkpoint")  # where the checkpointer's messages go

@@ -33,12 +33,13 @@ from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 from speechbrain.utils import checkpoints as sb_ckpt
 
-from ddp_eval import dist, sb_compat
+from ddp_eval import distributed as dist
+from ddp_eval import sb_compat
 from ddp_eval.checkpointing._async_save import BackgroundSaves
 from ddp_eval.checkpointing._sharded_saves import ShardedSaves
 from ddp_eval.checkpointing.commit import UNSUPPORTED_STORAGE_ACTIONS, CheckpointFolder
 from ddp_eval.config import check_choice
-from ddp_eval.dist import dcp, fsdp
+from ddp_eval.distributed import dcp, fsdp
 from ddp_eval.errors import CheckpointLoadError, CheckpointWriteError, ConfigError
 
 logger = logging.getLogger(__name__)

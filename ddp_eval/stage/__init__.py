@@ -5,7 +5,7 @@ stage-end exchange tells every rank, per-batch files and other effects, the
 evaluation journal and its resume, and ``verify``.
 
 May import: :mod:`ddp_eval.state`, :mod:`ddp_eval.checkpointing` (the journal
-writes its pieces atomically), :mod:`ddp_eval.dist`, :mod:`ddp_eval.config`,
+writes its pieces atomically), :mod:`ddp_eval.distributed`, :mod:`ddp_eval.config`,
 :mod:`ddp_eval.errors`, :mod:`ddp_eval.sb_compat`; never the mixin (checked by
 ``tests/test_layout.py``). Modules whose names start with ``_`` are not public API.
 """

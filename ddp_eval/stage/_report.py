@@ -17,7 +17,7 @@ Example
 import logging
 from typing import Any, Dict, List, Mapping, Sequence
 
-from ddp_eval import dist
+from ddp_eval import distributed as dist
 from ddp_eval.errors import ConfigError
 from ddp_eval.stage._effects import main_only
 from ddp_eval.stage._model import differing_modules

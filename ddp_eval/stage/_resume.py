@@ -19,7 +19,7 @@ Example
 import logging
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ddp_eval import dist
+from ddp_eval import distributed as dist
 from ddp_eval.checkpointing.commit import TMP_PREFIX
 from ddp_eval.stage._effects import StageOutputs
 from ddp_eval.stage._journal import JournalKey, StageJournal, find_resumable, layout_fingerprint, remove_pieces

@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from ddp_eval import dist, sb_compat
-from ddp_eval.dist import fsdp
+from ddp_eval import distributed as dist
+from ddp_eval import sb_compat
+from ddp_eval.distributed import fsdp
 from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
 from ddp_eval.stage._model import ddp_wrapped, model_modules, module_states

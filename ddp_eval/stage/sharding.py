@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
-from ddp_eval import dist
+from ddp_eval import distributed as dist
 from ddp_eval.errors import BatchPlanError, ConfigError
 
 

@@ -1,6 +1,6 @@
 """Every ``torch.distributed`` call of ddp_eval lives in this package: the control
-plane and collectives here, FSDP in :mod:`ddp_eval.dist.fsdp`, sharded
-checkpoint I/O in :mod:`ddp_eval.dist.dcp`.
+plane and collectives here, FSDP in :mod:`ddp_eval.distributed.fsdp`, sharded
+checkpoint I/O in :mod:`ddp_eval.distributed.dcp`.
 
 Each function has a one-line single-process fallback, so the rest of the
 package never asks "am I distributed?" itself.

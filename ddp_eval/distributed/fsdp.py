@@ -15,7 +15,7 @@ parameters for a sharded evaluation, and telling sharded state from plain.
   the sharded modules' parameters per rank for the length of the stage.
 * :func:`is_sharded`: a module with ``DTensor`` parameters, or an optimizer over
   them: state that only all ranks together hold, saved by
-  :mod:`ddp_eval.dist.dcp`.
+  :mod:`ddp_eval.distributed.dcp`.
 
 Without FSDP in this torch (:func:`support_problem`), ``fsdp:`` fails at start-up.
 
