@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import ddp_eval
-from ddp_eval.dist import fsdp
+from ddp_eval.distributed import fsdp
 from tests import toy
 
 SHARD_LINEARS = {"fsdp": {"shard_modules": ["Linear"]}}
@@ -138,3 +138,63 @@ def async_saves(rank, world_size, ckpt_dir):
     # the shards were written by a background job on this rank (its duration, set when it ended)
     return {"state": at_call, "path": str(saved.path), "stall": stall,
             "background_s": brain.checkpointer._background.writer.seconds}
+
+
+class ScheduledBrain(toy.DDPToyBrain):
+    """The toy recipe with the learning-rate schedules SpeechBrain recipes use: Noam and
+    linear warm-up (WarmAndExpDecayLRSchedule) after every step, NewBob through
+    ``update_learning_rate`` (``prev_lr``) and torch's StepLR (``initial_lr``) after
+    VALID, and an entry of the recipe's own in every parameter group."""
+
+    def init_optimizers(self):
+        super().init_optimizers()  # a torch scheduler is made on the optimizer, as recipes do (initial_lr)
+        self.step_lr = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        self.noam = sb.nnet.schedulers.NoamScheduler(lr_initial=0.05, n_warmup_steps=3)
+        self.warmup = sb.nnet.schedulers.WarmAndExpDecayLRSchedule(lr=0.05, n_warmup_steps=2, total_steps=40)
+
+    def on_fit_batch_end(self, batch, outputs, loss, should_step):
+        self.noam(self.optimizer)
+        self.warmup(self.optimizer)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        if stage == sb.Stage.VALID:  # before the checkpoint the toy recipe saves here
+            self.step_lr.step()
+            sb.nnet.schedulers.update_learning_rate(self.optimizer, self.optimizer.param_groups[0]["lr"] * 0.8)
+            for group in self.optimizer.param_groups:
+                group["recipe_epoch"] = (epoch, "after VALID")
+        super().on_stage_end(stage, stage_loss, epoch)
+
+
+def _groups(optimizer):
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def scheduled_training(rank, world_size, ckpt_dir, opts):
+    """Two epochs of the scheduled recipe (Adam); the param groups and full state the
+    last checkpoint holds (saved at the end of the last VALID)."""
+    brain = toy.build(ScheduledBrain, ckpt_dir, ddp_eval_opts=opts, lr=0.05, epochs=2, optimizer=torch.optim.Adam)
+    brain.fit(brain.hparams.counter, toy.make_dataset(16, 0), toy.make_dataset(6, 1),
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    return {"groups": _groups(brain.optimizer), "state": full_state(brain),
+            "sharded": fsdp.is_sharded(brain.optimizer)}
+
+
+def scheduled_resume(rank, world_size, ckpt_dir, opts):
+    """The scheduled recipe built anew (its StepLR made before the recovery, as in a
+    recipe), recovered as fit() does: the param groups and full state it then holds."""
+    brain = toy.build(ScheduledBrain, ckpt_dir, ddp_eval_opts=opts, lr=0.05, epochs=3, optimizer=torch.optim.Adam)
+    brain.on_fit_start()
+    return {"groups": _groups(brain.optimizer), "state": full_state(brain),
+            "sharded": fsdp.is_sharded(brain.optimizer)}
+
+
+def resume_into_two_groups(rank, world_size, ckpt_dir, opts):
+    """The scheduled recipe resumed with an optimizer of two parameter groups (weights
+    and biases apart): the checkpoint's one group cannot load into it."""
+    def two_groups(parameters):
+        parameters = list(parameters)
+        return torch.optim.Adam([{"params": parameters[::2]}, {"params": parameters[1::2]}], lr=0.05)
+
+    brain = toy.build(ScheduledBrain, ckpt_dir, ddp_eval_opts=opts, lr=0.05, epochs=3)
+    brain.opt_class = two_groups
+    brain.on_fit_start()

@@ -11,7 +11,7 @@ import torch
 
 import ddp_eval
 import ddp_eval.inspect
-from ddp_eval.dist import fsdp
+from ddp_eval.distributed import fsdp
 from tests import fsdp_workers, toy
 from tests.mp_harness import results, run_ranks
 
@@ -205,3 +205,52 @@ def test_async_sharded_saves_hold_the_state_at_call_time_and_resume(tmp_path):
             assert out["loaded"] == final.path.name
             for name, value in saved["state"]["model"].items():
                 assert torch.equal(out["state"]["model"][name], value), name
+
+
+# (saved at world size, with options) -> (resumed at world size, with options): every direction
+# between DDP, FSDP and one process, at 1, 2 and 3 ranks (issue 38)
+DIRECTIONS = {
+    "ddp2-to-fsdp3": ((2, {}), (3, fsdp_workers.SHARD_LINEARS)),
+    "fsdp3-to-ddp2": ((3, fsdp_workers.SHARD_LINEARS), (2, {})),
+    "fsdp2-to-one": ((2, fsdp_workers.SHARD_LINEARS), (1, {})),
+    "one-to-fsdp2": ((1, {}), (2, fsdp_workers.SHARD_LINEARS)),
+}
+
+
+@pytest.mark.parametrize("direction", [pytest.param("ddp2-to-fsdp3", marks=pytest.mark.fast), "fsdp3-to-ddp2",
+                                       "fsdp2-to-one", "one-to-fsdp2"])
+def test_param_group_entries_of_schedulers_survive_resume_in_every_direction(direction, tmp_path):
+    """A recipe with NewBob (``prev_lr``), Noam, linear warm-up and torch's StepLR
+    (``initial_lr``) and a param-group entry of its own, saved under one setup and
+    resumed under another: every entry of every group equal to the save's, and
+    every tensor of the optimizer's state (issue 38: DDP -> FSDP failed with
+    ``KeyError: 'param_groups.0.prev_lr'``; FSDP -> DDP dropped the entries). Saved
+    under FSDP at 3 ranks, rank 2 has no VALID batch: the next epoch's training must
+    not deadlock on the evaluation forwards FSDP recorded on the other ranks."""
+    (save_ws, save_opts), (load_ws, load_opts) = DIRECTIONS[direction]
+    folder = str(tmp_path / "ckpt")
+    saved = results(run_ranks(fsdp_workers.scheduled_training, save_ws, folder, save_opts, timeout=90))[0]
+    assert saved["sharded"] == bool(save_opts)
+    assert {"prev_lr", "initial_lr", "recipe_epoch"} <= set(saved["groups"][0])
+    for out in results(run_ranks(fsdp_workers.scheduled_resume, load_ws, folder, load_opts, timeout=90)):
+        assert out["sharded"] == bool(load_opts)
+        assert out["groups"] == saved["groups"]
+        assert [{k: type(v) for k, v in g.items()} for g in out["groups"]] == [
+            {k: type(v) for k, v in g.items()} for g in saved["groups"]]  # betas stays a tuple
+        assert set(out["state"]["optimizer"]) == set(saved["state"]["optimizer"])
+        for name, value in saved["state"]["optimizer"].items():
+            for key, tensor in value.items():
+                assert torch.equal(torch.as_tensor(out["state"]["optimizer"][name][key]), torch.as_tensor(tensor))
+        for name, value in saved["state"]["model"].items():
+            assert torch.equal(out["state"]["model"][name], value), name
+
+
+def test_an_optimizer_that_cannot_take_the_checkpoint_is_named_with_both_sides(tmp_path):
+    """A checkpoint of an optimizer with one parameter group resumed into one with two:
+    the error names what the checkpoint holds and what the optimizer has, and what to do."""
+    folder = str(tmp_path / "ckpt")
+    results(run_ranks(fsdp_workers.scheduled_training, 2, folder, fsdp_workers.SHARD_LINEARS, timeout=90))
+    outcomes = run_ranks(fsdp_workers.resume_into_two_groups, 2, folder, fsdp_workers.SHARD_LINEARS, timeout=90)
+    for outcome in outcomes:
+        assert outcome["error"] == "CheckpointLoadError", outcome
+        assert "has 1 parameter group(s), this Adam has 2: expected the same groups" in outcome["message"]

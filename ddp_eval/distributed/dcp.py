@@ -34,7 +34,7 @@ True
 """
 
 import pathlib
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -123,14 +123,55 @@ def load(obj: Any, path: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -
     optimizer = isinstance(obj, torch.optim.Optimizer)
     if path.is_dir():
         state, options = state_of(obj, modules), None
+        if optimizer:  # the groups' entries as the checkpoint holds them (a scheduler's prev_lr, ...)
+            state["param_groups"] = _groups_to_read(state["param_groups"], _saved_group_keys(path), obj)
         dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
     else:  # a full state dict from SpeechBrain's or DDP's checkpoint: every rank keeps its part
         state, options = torch.load(path, map_location="cpu"), StateDictOptions(full_state_dict=True)
         state = _by_names(state, obj, modules) if optimizer else state
     if optimizer:
+        tuples = [{key for key, value in [*group.items(), *saved.items()] if isinstance(value, tuple)}
+                  for group, saved in zip(obj.param_groups, state["param_groups"])]
+        _adopt_group_entries(obj, state["param_groups"])
         set_optimizer_state_dict(_owner(modules), obj, state, options=options)
+        for group, keys in zip(obj.param_groups, tuples):  # torch's flattening turns a tuple (betas) into a list
+            group.update({key: tuple(group[key]) for key in keys if isinstance(group.get(key), list)})
     else:
         set_model_state_dict(obj, state, options=options)
+
+
+def _saved_group_keys(folder: pathlib.Path) -> List[List[str]]:
+    """Per parameter group of the optimizer saved in a DCP folder, the keys of its
+    entries (``lr``, a scheduler's ``prev_lr`` or ``initial_lr``, a recipe's own)."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    groups: Dict[int, List[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith("param_groups."):
+            index, name = key[len("param_groups."):].split(".", 1)
+            groups.setdefault(int(index), []).append(name)
+    return [groups[i] for i in sorted(groups)]
+
+
+def _groups_to_read(current: List[Dict[str, Any]], saved: List[List[str]], optimizer: Any) -> List[Dict[str, Any]]:
+    """The param groups DCP fills: exactly the saved entries (DCP refuses a key the
+    checkpoint lacks and skips one the target lacks), the current values as placeholders."""
+    if len(saved) != len(current):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter group(s), this "
+                         f"{type(optimizer).__name__} has {len(current)}: expected the same groups. Build the "
+                         "optimizer as the run that saved it did, or start without this checkpoint.")
+    return [{key: group.get(key) for key in keys} for group, keys in zip(current, saved)]
+
+
+def _adopt_group_entries(optimizer: Any, saved: List[Dict[str, Any]]) -> None:
+    """Gives the optimizer's groups every entry the saved groups hold, before
+    ``set_optimizer_state_dict`` (which maps saved entries onto the current ones and
+    fails on one the current groups lack, e.g. SpeechBrain's ``prev_lr``)."""
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter group(s), this "
+                         f"{type(optimizer).__name__} has {len(optimizer.param_groups)}: expected the same groups. "
+                         "Build the optimizer as the run that saved it did, or start without this checkpoint.")
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
 def _by_names(state: Dict[str, Any], optimizer: torch.optim.Optimizer,

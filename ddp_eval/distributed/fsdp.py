@@ -177,3 +177,17 @@ def release_parameters(gathered: Sequence[Tuple[Any, Tuple[Any, List[Any]]]]) ->
     for module, setting in reversed(gathered):
         module.reshard()
         _restore(module, setting)
+        _forget_forwards(module)
+
+
+def _forget_forwards(module: Any) -> None:
+    """Clears FSDP's record of the stage's forwards (torch 2.7-2.14: every forward is
+    noted for the next backward's prefetch order, and only a backward clears it). The
+    ranks made different numbers of forwards, so the next training backward would
+    prefetch different all-gathers on different ranks and deadlock."""
+    state = module._get_fsdp_state()
+    order = getattr(getattr(state, "_comm_ctx", None), "post_forward_order", None)
+    if order is not None:
+        order.clear()
+    for group in _groups(state):
+        getattr(group, "_post_forward_indices", []).clear()
