@@ -198,3 +198,19 @@ def resume_into_two_groups(rank, world_size, ckpt_dir, opts):
     brain = toy.build(ScheduledBrain, ckpt_dir, ddp_eval_opts=opts, lr=0.05, epochs=3)
     brain.opt_class = two_groups
     brain.on_fit_start()
+
+
+DEBUG = {"debug": True, "debug_batches": 2, "debug_epochs": 2}
+
+
+def debug_recipe(rank, world_size, ckpt_dir):
+    """The toy recipe (its checkpoint saved in on_stage_end) under FSDP and SpeechBrain's
+    --debug: what it evaluated, where its checkpointer wrote, and what that folder holds."""
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts=SHARD_LINEARS, run_opts=DEBUG)
+    out = toy.run_recipe(brain)
+    folder = brain.checkpointer.checkpoints_dir
+    out["folder"] = str(folder)
+    out["checkpoints"] = sorted(p.name for p in folder.iterdir() if p.name.startswith("CKPT+"))
+    out["shards"] = sorted(p.name for c in folder.glob("CKPT+*") for p in c.iterdir() if p.suffix == ".dcp")
+    out["loaded"] = brain.checkpointer.loaded
+    return out

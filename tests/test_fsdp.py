@@ -254,3 +254,22 @@ def test_an_optimizer_that_cannot_take_the_checkpoint_is_named_with_both_sides(t
     for outcome in outcomes:
         assert outcome["error"] == "CheckpointLoadError", outcome
         assert "has 1 parameter group(s), this Adam has 2: expected the same groups" in outcome["message"]
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
+def test_fsdp_under_speechbrain_debug_saves_in_one_folder_and_evaluates_exactly(world_size, tmp_path):
+    """SpeechBrain's --debug gives each rank a temporary checkpoint folder of its own;
+    a sharded save in on_stage_end needs one (issue 38: CheckpointWriteError on every
+    rank). Every rank uses rank 0's: the checkpoints there hold every shard, the
+    recipe's folder stays empty, evaluate(min_key) loads one, and every VALID/TEST
+    equals one process under --debug."""
+    single = toy.run_recipe(toy.build(toy.ToyBrain, tmp_path / "single", run_opts=fsdp_workers.DEBUG,
+                                      checkpointer_cls=sb.utils.checkpoints.Checkpointer))
+    per_rank = results(run_ranks(fsdp_workers.debug_recipe, world_size, str(tmp_path / "ranks"), timeout=120))
+    assert len({out["folder"] for out in per_rank}) == 1
+    assert per_rank[0]["folder"] != str(tmp_path / "ranks")
+    assert not (tmp_path / "ranks").exists() or not any((tmp_path / "ranks").iterdir())
+    for out in per_rank:
+        assert out["checkpoints"] and out["shards"] == sorted(["model.dcp", "optimizer.dcp"] * len(out["checkpoints"]))
+        assert out["loaded"] in out["checkpoints"]
+        _same_records(out["log"], single["log"])

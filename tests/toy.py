@@ -161,7 +161,7 @@ class DDPToyBrain(ddp_eval.DDPEvalMixin, ToyBrain):
 
 
 def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, ddp_eval_opts=None,
-          batchnorm=False, epochs=2, optimizer=torch.optim.SGD):
+          batchnorm=False, epochs=2, optimizer=torch.optim.SGD, run_opts=None):
     model = make_model(batchnorm)
     counter = sb.utils.epoch_loop.EpochCounter(epochs)
     scheduler = sb.nnet.schedulers.NewBobScheduler(initial_value=1.0, improvement_threshold=10.0)
@@ -171,8 +171,9 @@ def build(brain_cls, ckpt_dir, checkpointer_cls=ddp_eval.Checkpointer, lr=0.0, d
     hparams = {"scheduler": scheduler, "counter": counter, "probe": probe,
                "ddp_eval": with_seen_excluded(ddp_eval_opts)}
     brain = brain_cls(modules={"model": model}, opt_class=lambda p: optimizer(p, lr=lr),
-                      hparams=hparams, run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo"},
-                      checkpointer=checkpointer)
+                      hparams=hparams, checkpointer=checkpointer,
+                      run_opts={"device": "cpu", "noprogressbar": True, "distributed_backend": "gloo",
+                                **(run_opts or {})})
     brain.log = []
     brain.seen = types.SimpleNamespace(ids=[])  # a holder, not a list: never merged
     return brain

@@ -264,6 +264,18 @@ class Checkpointer(ShardedSaves, _Reads):
         self.loaded: Optional[str] = None  # name of the checkpoint loaded last
         self._warned = set()
 
+    @property
+    def checkpoints_dir(self) -> pathlib.Path:
+        """The checkpoints' folder; set anew (SpeechBrain's ``--debug`` points it at a
+        temporary folder after construction), the commit protocol writes there too."""
+        return self._checkpoints_dir
+
+    @checkpoints_dir.setter
+    def checkpoints_dir(self, value: Any) -> None:
+        self._checkpoints_dir = pathlib.Path(value)
+        if "folder" in self.__dict__:
+            self.folder.root, self.folder.atomic = self._checkpoints_dir, None  # probed again at the next write
+
     # Options of the commit protocol, settable as before.
     fsync = property(lambda self: self.folder.fsync, lambda self, v: setattr(self.folder, "fsync", v))
     checksums = property(lambda self: self.folder.checksums, lambda self, v: setattr(self.folder, "checksums", v))
