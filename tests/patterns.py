@@ -46,10 +46,12 @@ import os
 import pathlib
 import sys
 import types
+import zlib
 
 import numpy as np
 import speechbrain as sb
 import torch
+from speechbrain.augment.time_domain import SpeedPerturb
 from speechbrain.dataio.batch import PaddedBatch
 from speechbrain.dataio.dataloader import LoopedLoader, SaveableDataLoader
 from speechbrain.processing.features import InputNormalization
@@ -61,7 +63,7 @@ import ddp_eval
 from tests import toy
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
-            "unmergeable_code")
+            "unmergeable_code", "training_only")
 
 
 def _bleu_stats():
@@ -163,6 +165,10 @@ class PatternBrain(toy.ToyBrain):
             self.hparams.input_norm.train(stage != sb.Stage.TEST)
             with MainProcessContext() if stage == sb.Stage.TRAIN else contextlib.nullcontext():
                 x = self.hparams.input_norm(x, lens)
+        if self.pattern == "training_only" and stage == sb.Stage.TRAIN:  # TIMIT seq2seq's speed_perturb
+            with torch.random.fork_rng():  # the ranks' draws differ, as their batches do
+                torch.manual_seed(zlib.crc32(" ".join(batch.id).encode()))
+                self.hparams.speed_perturb(x[..., 0].contiguous())  # the output unused: its state is what counts
         mask = (torch.arange(x.shape[1])[None, :] < (lens * x.shape[1]).round()[:, None]).float()
         return self.modules.model((x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
 
@@ -392,6 +398,17 @@ class PatternBrain(toy.ToyBrain):
     def _end_modules(self, stage, stage_loss, epoch):
         return {"count": self.hparams.input_norm.count}
 
+    # -- training_only: a random augmentation in hparams, never called in VALID/TEST ----------
+
+    def _start_training_only(self, stage):
+        pass
+
+    def _batch_training_only(self, logits, labels, loss, batch, stage):
+        pass
+
+    def _end_training_only(self, stage, stage_loss, epoch):
+        return {}
+
 
 class DDPPatternBrain(ddp_eval.DDPEvalMixin, PatternBrain):
     """The same recipes, converted."""
@@ -410,6 +427,8 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
         brain.hparams.eder_file = str(out / "eder.txt")
     if pattern == "modules":
         brain.hparams.input_norm = InputNormalization()
+    if pattern == "training_only":
+        brain.hparams.speed_perturb = SpeedPerturb(orig_freq=8000, speeds=list(range(80, 121, 4)))
     return brain
 
 
@@ -432,6 +451,8 @@ def run(brain, pattern, n_test=4, fit=True):
                                                              "test": brain.seen.ids[n_valid:]},
            "loaded_meta": {k: v for k, v in (brain.checkpointer.find_checkpoint(min_key="loss").meta or {}).items()
                            if k in ("loss", "epoch", "size")}}
+    if pattern == "training_only":  # the state that differs across ranks, and was not used
+        out["speed_perturb"] = int(brain.hparams.speed_perturb.samp_index)
     if pattern == "files":
         folder = pathlib.Path(brain.hparams.predictions_file).parent
         out["predictions"] = pathlib.Path(brain.hparams.predictions_file).read_text() if if_main_process() else None

@@ -13,7 +13,7 @@ from tests import patterns
 from tests.mp_harness import results, run_ranks
 
 pytestmark = pytest.mark.timeout(400)
-EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms")
+EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms", "training_only")
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +131,26 @@ def test_appends_without_the_helper_and_main_process_only_effects_are_named(rank
     assert all(out["files"]["warnings"] == [] for out in outs[1:])  # rank 0 warns
 
 
+def test_a_training_only_module_that_differs_across_ranks_is_not_named(ranks):
+    """TIMIT seq2seq's ``speed_perturb`` in hparams: random, called in TRAIN only, so
+    its state differs across ranks after TRAIN; VALID and TEST never call it, every
+    value equals one process (EXACT), and no warning says otherwise (issue 38)."""
+    world_size, outs = ranks
+    assert len({out["training_only"]["speed_perturb"] for out in outs}) > 1  # it did differ: the check is real
+    for out in outs:
+        assert out["training_only"]["warnings"] == []
+
+
 def test_a_module_learning_statistics_through_hparams_is_named(ranks):
     world_size, outs = ranks
     warnings = outs[0]["modules"]["warnings"]
     named = [w for w in warnings if "'hparams.input_norm'" in w]
     assert named and "modules differ across ranks" in named[0] and "eval mode" in named[0]
+
     # TEST in eval mode: unchanged by the stage, but apart since TRAIN (a model per rank): named too
     test = [w for w in named if "sharded TEST stage" in w]
     assert test and "differed across ranks when the stage started" in test[0], named
+    assert "against rank 0: 'count', 'glob_mean', 'glob_std'" in test[0], test  # what differed
     assert not [w for w in warnings if "state outside the Brain" in w]  # said once, as a module
 
 

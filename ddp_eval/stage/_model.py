@@ -1,13 +1,13 @@
 """What a sharded stage reads of the model: checksums of its tensors, each read
 once per stage edge.
 
-* :func:`module_states` (at stage start and at stage end, on every rank): one
-  checksum per module of its buffers, and of the tensor and number attributes
-  of its parts without parameters (where InputNormalization keeps its
-  statistics; elsewhere such attributes are per-call caches);
-  :func:`differing_modules` names modules that differed across ranks when the
-  stage started (the stage-start checksums are taken after DDP's buffers were
-  broadcast, so only what no broadcast brings into step can differ: a module
+* :func:`module_states` (at stage start and at stage end, on every rank): per
+  module, one checksum per buffer, and per tensor and number attribute of its
+  parts without parameters (where InputNormalization keeps its statistics;
+  elsewhere such attributes are per-call caches); :func:`differing_modules`
+  names modules the stage used (:class:`ModuleUse`) that differed across ranks
+  when the stage started (the stage-start checksums are taken after DDP's
+  buffers were broadcast, so only what no broadcast brings into step can differ: a module
   outside DDP that learnt on each rank's own batches) and modules whose state
   the stage changed and that differ across ranks after it (InputNormalization
   called through ``hparams`` keeps learning). Both edges read the buffers: a
@@ -88,32 +88,72 @@ def _keeps_statistics_as_attributes(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is None and not sb_compat.holds_scratch_state(module)
 
 
-def _state_crc(module: torch.nn.Module, crcs: Dict[int, int]) -> int:
-    crc = 0
-    for sub in module.modules():
-        items = [(f"buffer {n}", b) for n, b in sub.named_buffers(recurse=False)]
+def _state_items(module: torch.nn.Module, crcs: Dict[int, int]) -> Dict[str, int]:
+    """``{item: crc32}`` of a module's state: each buffer (and each statistic kept as
+    an attribute) by its path in the module, e.g. ``1.running_mean``."""
+    items: Dict[str, int] = {}
+    for prefix, sub in module.named_modules():
+        found = [(n, b) for n, b in sub.named_buffers(recurse=False)]
         if _keeps_statistics_as_attributes(sub):
-            items += [(n, v) for n, v in vars(sub).items() if isinstance(v, torch.Tensor) or is_number(v)]
-        for name, value in items:
+            found += [(n, v) for n, v in vars(sub).items() if isinstance(v, torch.Tensor) or is_number(v)]
+        for name, value in found:
             if isinstance(value, torch.Tensor):
                 if id(value) not in crcs:
                     crcs[id(value)] = tensor_crc(value)
-                text = f"{name}|{value.dtype}|{tuple(value.shape)}|{crcs[id(value)]}"
+                text = f"{value.dtype}|{tuple(value.shape)}|{crcs[id(value)]}"
             else:
-                text = f"{name}|{value!r}"
-            crc = zlib.crc32(text.encode(), crc)
-    return crc
+                text = repr(value)
+            items[f"{prefix}.{name}" if prefix else name] = zlib.crc32(text.encode())
+    return items
 
 
 def module_states(brain: Any, crcs: Optional[Dict[int, int]] = None,
-                  only: Optional[Iterable[str]] = None) -> Dict[str, int]:
-    """``{where: checksum}`` of the Brain's modules and the modules in its hparams
-    (those named in ``only``, if given); ``crcs`` (if given) receives
+                  only: Optional[Iterable[str]] = None) -> Dict[str, Dict[str, int]]:
+    """``{where: {item: checksum}}`` of the Brain's modules and the modules in its
+    hparams (those named in ``only``, if given); ``crcs`` (if given) receives
     ``{id(tensor): crc32}`` of every tensor read."""
     crcs = {} if crcs is None else crcs
     only = None if only is None else set(only)
-    return {where: _state_crc(module, crcs) for where, module in model_modules(brain)
+    return {where: _state_items(module, crcs) for where, module in model_modules(brain)
             if only is None or where in only}
+
+
+class ModuleUse:
+    """Which of the Brain's modules (and modules in its hparams) a stage used: a
+    forward of the module or of any module inside it ran on this rank. A
+    training-only module (a speed perturbation never called in VALID/TEST) that
+    differs across ranks changes no result. Its own hook is removed by :meth:`stop`.
+
+    Example
+    -------
+    >>> class Holder:
+    ...     modules = {"model": torch.nn.Sequential(torch.nn.Linear(2, 2))}
+    ...     hparams = None
+    >>> use = ModuleUse(Holder())
+    >>> _ = Holder.modules["model"][0](torch.ones(1, 2))  # an inner module called alone
+    >>> use.stop()
+    ['modules.model']
+    """
+
+    def __init__(self, brain: Any) -> None:
+        self.owners: Dict[int, List[str]] = {}
+        for where, module in model_modules(brain):
+            for sub in module.modules():
+                self.owners.setdefault(id(sub), []).append(where)
+        self.used: set = set()
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
+
+    def _called(self, module: torch.nn.Module, args: Any) -> None:
+        owners = self.owners.get(id(module))
+        if owners is not None:
+            self.used.update(owners)
+
+    def stop(self) -> List[str]:
+        """Removes the hook; returns where the used modules are."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        return sorted(self.used)
 
 
 def ddp_wrapped(brain: Any) -> List[str]:
@@ -123,31 +163,48 @@ def ddp_wrapped(brain: Any) -> List[str]:
             if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
 
 
-def differing_modules(start: Sequence[Mapping[str, int]], end: Sequence[Mapping[str, int]]) -> Dict[str, str]:
-    """``{where: why}`` of modules that differed across ranks at stage start, and of
-    modules some rank's stage changed that differ across ranks after it.
+def differing_modules(start: Sequence[Mapping[str, Mapping[str, int]]], end: Sequence[Mapping[str, Mapping[str, int]]],
+                      used: Optional[Sequence[Iterable[str]]] = None) -> Dict[str, str]:
+    """``{where: why}`` of modules some rank used (:class:`ModuleUse`; all of them
+    when ``used`` is None) that differed across ranks at stage start, and of
+    modules some rank's stage changed that differ across ranks after it; ``why``
+    says which of its buffers or statistics differ.
 
     Example
     -------
-    >>> differing_modules([{"m": 1}, {"m": 2}], [{"m": 1}, {"m": 2}])["m"][:60]
-    'it differed across ranks when the stage started (rank(s) [1]'
-    >>> differing_modules([{"m": 1}, {"m": 1}], [{"m": 1}, {"m": 1}])
+    >>> differing_modules([{"m": {"bn.mean": 1}}, {"m": {"bn.mean": 2}}], [{"m": {"bn.mean": 1}}] * 2)["m"][:86]
+    "it differed across ranks when the stage started (rank(s) [1] against rank 0: 'bn.mean'"
+    >>> differing_modules([{"m": {"bn.mean": 1}}, {"m": {"bn.mean": 2}}], [{}, {}], used=[[], []])  # not used
     {}
     """
     named = {}
+    used_somewhere = None if used is None else {where for rank in used for where in rank}
     for where in sorted(set(start[0]) | set(end[0])):
         apart = [r for r, s in enumerate(start) if s.get(where) != start[0].get(where)]
         changed = [r for r, (s, e) in enumerate(zip(start, end)) if s.get(where) != e.get(where)]
-        if apart:
-            named[where] = (f"it differed across ranks when the stage started (rank(s) {apart} against rank 0), "
-                            "so each rank evaluated its batches with a model of its own and the merged results "
-                            "are no one process's: bring its state into step on every rank before the stage "
-                            "(e.g. broadcast it from rank 0 in on_stage_start, as DDP does for its buffers), or "
-                            "keep what it learns out of it")
-        elif changed and len({e.get(where) for e in end}) > 1:
+        if apart and (used_somewhere is None or where in used_somewhere):
+            named[where] = (f"it differed across ranks when the stage started (rank(s) {apart} against rank 0: "
+                            f"{_differing_items([s.get(where) for s in start])}), so each rank evaluated its "
+                            "batches with a model of its own and the merged results are no one process's: bring "
+                            "its state into step on every rank before the stage (e.g. broadcast it from rank 0 in "
+                            "on_stage_start, as DDP does for its buffers), or keep what it learns out of it")
+        elif changed and len({_frozen(e.get(where)) for e in end}) > 1:
             named[where] = (f"its buffers or statistics changed during the stage (on rank(s) {changed}) and now "
-                            "differ across ranks: each rank updated them from its own batches")
+                            f"differ across ranks ({_differing_items([e.get(where) for e in end])}): each rank "
+                            "updated them from its own batches")
     return named
+
+
+def _frozen(items: Optional[Mapping[str, int]]) -> Any:
+    return None if items is None else tuple(sorted(items.items()))
+
+
+def _differing_items(per_rank: Sequence[Optional[Mapping[str, int]]], most: int = 5) -> str:
+    """The items (buffers, statistics) whose checksums differ across ranks, quoted."""
+    names = sorted({n for items in per_rank for n in (items or {})})
+    apart = [n for n in names if len({(items or {}).get(n) for items in per_rank}) > 1]
+    shown = ", ".join(repr(n) for n in apart[:most]) + (f" and {len(apart) - most} more" if len(apart) > most else "")
+    return shown or "its set of buffers"
 
 
 def model_tensors(modules: Iterable[torch.nn.Module]) -> List[Tuple[str, torch.Tensor, bool]]:

@@ -35,8 +35,9 @@ class StageReport:
         self.layouts = [r.get("layout", {}) for r in per_rank]
         self.stream_read = [r.get("stream") for r in per_rank]
         self.winners, self.unsendable = self._winners()
-        modules = [r.get("modules", ({}, {})) for r in per_rank]
-        self.modules = differing_modules([m[0] for m in modules], [m[1] for m in modules]) if modules[0][1] else {}
+        modules = [r.get("modules", ({}, {}, [])) for r in per_rank]
+        self.modules = differing_modules([m[0] for m in modules], [m[1] for m in modules],
+                                         [m[2] for m in modules]) if modules[0][1] else {}
 
     def _winners(self):
         candidates = last_candidates_of(self.per_rank)

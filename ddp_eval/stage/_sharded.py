@@ -35,7 +35,7 @@ from ddp_eval import sb_compat
 from ddp_eval.distributed import fsdp
 from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
-from ddp_eval.stage._model import ddp_wrapped, model_modules, module_states
+from ddp_eval.stage._model import ModuleUse, ddp_wrapped, model_modules, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
 from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
@@ -84,7 +84,9 @@ class ShardedStage:
         self.outputs = StageOutputs(dist.get_rank())
         self.appends = AppendWatch()
         self.outside: Dict[str, Any] = {}
-        self.modules: Dict[str, int] = {}
+        self.modules: Dict[str, Dict[str, int]] = {}
+        self.module_use: Optional[ModuleUse] = None  # which modules the stage's batches called
+        self.used_modules: List[str] = []
         self.resume: Optional[StageResume] = None
         self.running = False  # between start() and finish(): batches are being evaluated
         self.local_collectives = sb_compat.local_collectives()
@@ -132,6 +134,7 @@ class ShardedStage:
             self.resume = StageResume.accept(per_rank[0][1], old, tensors, [p[2] for p in per_rank], self,
                                              self.journal_root, cfg.resume_eval_every_s)
         self.running = True
+        self.module_use = ModuleUse(brain)
         self.appends.__enter__()
         self.local_collectives.__enter__()
         self.book.start()
@@ -273,7 +276,8 @@ class ShardedStage:
         collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), old)), record=record)
         return {**record.report, "outside": outside, "stream": self._stream_read(),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
-                "modules": (self.modules, module_states(self.brain)), "appends": list(self.appends.paths)}
+                "modules": (self.modules, module_states(self.brain), self.used_modules),
+                "appends": list(self.appends.paths)}
 
     def _write_outputs(self, parts: List[Dict[str, Any]]) -> None:
         """Rank 0 appends every rank's (and piece's) per-batch file parts in global order."""
@@ -299,6 +303,7 @@ class ShardedStage:
     def _stop_batches(self) -> None:
         if self.running:
             self.running = False
+            self.used_modules = self.module_use.stop()
             self.appends.__exit__()
             self.local_collectives.__exit__(None, None, None)
 
