@@ -214,3 +214,18 @@ def debug_recipe(rank, world_size, ckpt_dir):
     out["shards"] = sorted(p.name for c in folder.glob("CKPT+*") for p in c.iterdir() if p.suffix == ".dcp")
     out["loaded"] = brain.checkpointer.loaded
     return out
+
+
+def fail_in_gather(rank, world_size, ckpt_dir, bad_rank):
+    """Training, then a sharded TEST whose stage-start gather fails on ``bad_rank``
+    (as an out-of-memory in the all-gather's allocation would), while the other ranks
+    wait inside the gather's collective."""
+    brain = toy.build(toy.DDPToyBrain, ckpt_dir, ddp_eval_opts={**SHARD_LINEARS, "collective_timeout": 10})
+    brain.fit(brain.hparams.counter, toy.make_dataset(8, 0), toy.make_dataset(6, 1),
+              train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+    if rank == bad_rank:
+        def unshard(self, *args, **kwargs):
+            raise RuntimeError("out of memory while unsharding (injected)")
+
+        fsdp.FSDPModule.unshard = unshard  # this process is discarded after the test
+    brain.evaluate(toy.make_dataset(5, 2, "tst"), test_loader_kwargs={"batch_size": 2})

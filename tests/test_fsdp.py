@@ -273,3 +273,20 @@ def test_fsdp_under_speechbrain_debug_saves_in_one_folder_and_evaluates_exactly(
         assert out["checkpoints"] and out["shards"] == sorted(["model.dcp", "optimizer.dcp"] * len(out["checkpoints"]))
         assert out["loaded"] in out["checkpoints"]
         _same_records(out["log"], single["log"])
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
+@pytest.mark.parametrize("fresh", [False, True], ids=["alive", "exits"])
+def test_a_failure_inside_the_stage_start_gather_is_raised_on_every_rank_in_time(world_size, fresh, tmp_path):
+    """Rank 1 fails while unsharding for a sharded TEST; the others wait inside the
+    gather's all-gather. Whether rank 1's process stays (a caller that catches) or
+    exits (torchrun), every other rank raises rank 1's failure, named, well within
+    the collective timeout (10 s here), not the process group's (issue 38)."""
+    start = time.monotonic()
+    outcomes = run_ranks(fsdp_workers.fail_in_gather, world_size, str(tmp_path), 1, timeout=60, fresh=fresh)
+    assert outcomes[1]["message"] == "out of memory while unsharding (injected)", outcomes[1]
+    for rank in set(range(world_size)) - {1}:
+        assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
+        assert "rank 1 failed at 'evaluate' with RuntimeError: out of memory while unsharding (injected)" \
+            in outcomes[rank]["message"], outcomes[rank]
+    assert time.monotonic() - start < 30

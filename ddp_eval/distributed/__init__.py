@@ -35,6 +35,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -378,6 +379,11 @@ class ControlChannel:
                    if not self.store.check([self._key(seq, f"r{r}")])]
         return ("timeout", missing, tag, self.rank, timeout)
 
+    def failure_posted(self) -> bool:
+        """Whether another rank already reported a failure at this rank's next exchange
+        (one store request; no wait)."""
+        return self.store.check([self._key(self.seq + 1, "verdict")])
+
     def _open(self, answer: tuple, seq: int, tag: str) -> List[Any]:
         kind = answer[0]
         if kind == "failed":
@@ -566,6 +572,36 @@ def fail_together(tag: str) -> Iterator[None]:
             except BaseException:
                 pass  # the original error is raised below
         raise
+
+
+def wait_for_works(works: Sequence[Any], tag: str) -> None:
+    """Waits for collectives issued with ``async_op=True``, bounded: raises
+    :class:`CollectiveTimeoutError` after the collective timeout, and at once when
+    another rank has reported a failure (a rank that fails before joining a
+    collective leaves the others in it until the process group's own timeout;
+    the next exchange, e.g. :func:`fail_together`'s, names that rank's failure).
+
+    Example
+    -------
+    >>> wait_for_works([], "nothing issued")
+    """
+    if not _active():
+        for work in works:
+            work.wait()
+        return
+    channel, deadline, pause = default_channel(), time.monotonic() + _timeout_s, 0.001
+    while not all(work.is_completed() for work in works):
+        if channel.failure_posted():
+            raise RuntimeError(f"ddp_eval: another rank reported a failure while this rank waited in '{tag}'")
+        if time.monotonic() > deadline:
+            raise _reported(CollectiveTimeoutError(
+                f"ddp_eval: rank {channel.rank} waited {_timeout_s:g} s in '{tag}'; expected every rank to join its "
+                "collective, and no rank reported a failure. Check the other ranks' logs; if they are only slow, "
+                "raise the collective timeout (ddp_eval: collective_timeout)."))
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    for work in works:
+        work.wait()
 
 
 def _device() -> torch.device:

@@ -46,6 +46,8 @@ except ImportError:  # pragma: no cover - depends on the torch release
         fully_shard = FSDPModule = MixedPrecisionPolicy = CPUOffloadPolicy = None
 from torch.distributed.device_mesh import init_device_mesh
 
+from ddp_eval import distributed
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch < 2.5
@@ -164,11 +166,26 @@ def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tup
             else:  # what it does, in torch 2.7
                 for group in _groups(module._get_fsdp_state()):
                     group.post_forward_mesh_info = None
-            module.unshard()
+            handle = module.unshard(async_op=True)
+            # bounded: a rank that fails before its all-gather must not leave the others in theirs
+            distributed.wait_for_works(_pending_all_gathers(module), "FSDP parameters gather")
+            if handle is not None:
+                handle.wait()
     except BaseException:
         release_parameters(gathered)
         raise
     return gathered
+
+
+def _pending_all_gathers(module: Any) -> List[Any]:
+    """The all-gathers an ``unshard(async_op=True)`` issued (torch 2.7-2.14: each param
+    group's ``_all_gather_result``); none where this torch keeps them elsewhere."""
+    works = []
+    for group in _groups(module._get_fsdp_state()):
+        work = getattr(getattr(group, "_all_gather_result", None), "all_gather_work", None)
+        if hasattr(work, "is_completed"):
+            works.append(work)
+    return works
 
 
 def release_parameters(gathered: Sequence[Tuple[Any, Tuple[Any, List[Any]]]]) -> None:
