@@ -13,8 +13,12 @@ a test that checks failures never leaves a broken process for the next. Ranks
 that failed together, as ddp_eval makes them (its errors, agreed on every rank
 before they are raised; not a timeout), are kept if tearing the group down
 leaves no patch and no thread of the test's behind.
-``fresh=True`` (or ``env``: variables read at import) starts new processes
-for the call alone: for measurements of a fresh process's memory.
+``fresh=True`` starts new processes for the call alone, forked from a server
+that imported torch, SpeechBrain and ddp_eval once (multiprocessing's
+forkserver, as ``test_checkpoint_kill`` uses): for tests that kill, patch or
+exit their processes, in a fraction of a second instead of seconds of imports.
+``fresh="spawn"`` (or ``env``: variables read at import) spawns new interpreters:
+for measurements of a fresh process's memory.
 """
 
 import atexit
@@ -73,6 +77,13 @@ def _workdir_and_init(store):
     return workdir, init_method
 
 
+# One forkserver per pytest process (multiprocessing has one): every module a fresh
+# rank or test_checkpoint_kill's child imports, imported once by the server.
+FORKSERVER = mp.get_context("forkserver")
+FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "speechbrain", "ddp_eval", "tests.toy",
+                                   "tests.workers", "tests.fsdp_workers", "tests.fsdp_kill", "tests.kill_points"])
+
+
 def run_ranks(fn, world_size, *args, timeout=60.0, env=None, store="file", fresh=False):
     """Returns one outcome dict per rank: {"result": ...} or {"error", "message"}.
 
@@ -80,13 +91,13 @@ def run_ranks(fn, world_size, *args, timeout=60.0, env=None, store="file", fresh
     rendezvouses through a TCPStore, as torchrun does (default: a FileStore).
     """
     if fresh or env:
-        return _run_fresh(fn, world_size, args, timeout, env, store)
+        spawn = fresh == "spawn" or env is not None
+        return _run_fresh(fn, world_size, args, timeout, env, store, mp.get_context("spawn") if spawn else FORKSERVER)
     return POOL.run(fn, world_size, args, timeout, store)
 
 
-def _run_fresh(fn, world_size, args, timeout, env, store):
+def _run_fresh(fn, world_size, args, timeout, env, store, ctx):
     workdir, init_method = _workdir_and_init(store)
-    ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, env, init_method))
              for r in range(world_size)]
     for p in procs:

@@ -26,7 +26,7 @@ def allowed_overhead_mb(world_size):
 @pytest.fixture(scope="module")
 def plain():
     """Plain SpeechBrain, one process per number of batches (a fresh allocator each)."""
-    return {b: results(run_ranks(tensor_state_evaluations, 1, False, (b,), timeout=120, fresh=True))[0]["runs"][0]
+    return {b: results(run_ranks(tensor_state_evaluations, 1, False, (b,), timeout=120, fresh="spawn"))[0]["runs"][0]
             for b in BATCH_COUNTS}
 
 
@@ -35,7 +35,7 @@ def test_tensor_attributes_equal_one_process_and_memory_does_not_grow_with_batch
     growth = {}
     for batches in BATCH_COUNTS:
         per_rank = results(run_ranks(tensor_state_evaluations, world_size, True, (batches,), timeout=120,
-                                       fresh=True))  # a new allocator per measurement
+                                       fresh="spawn"))  # a new interpreter per measurement
         want = plain[batches]
         for out in per_rank:
             got = out["runs"][0]

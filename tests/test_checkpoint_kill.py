@@ -1,17 +1,13 @@
 """Kill tests: SIGKILL the writer at every step of a save, then resume."""
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
 from ddp_eval.checkpointing.commit import TMP_PREFIX, inspect_checkpoint_dir
 from tests import kill_points
+from tests.mp_harness import FORKSERVER as _ctx  # the one forkserver, its preload list there
 
 pytestmark = pytest.mark.timeout(300)
-
-_ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["tests.kill_points"])
 
 
 def _run_child(directory, kill_at, log_path, renameat2, async_save):
