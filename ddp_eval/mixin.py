@@ -33,8 +33,9 @@ class DDPEvalMixin:
       order), map-style and streaming sets and loaders the recipe built alike;
       DDP buffers are broadcast from rank 0 at stage start, so a rank without a
       batch never blocks the others;
-    * before ``on_stage_end``, the stage loss is reduced with ``all_reduce``
-      (sums and counts), and every SpeechBrain metric object and every plain
+    * before ``on_stage_end``, the stage loss is SpeechBrain's running average
+      replayed over every rank's per-batch losses in one process's order (bit
+      for bit), and every SpeechBrain metric object and every plain
       attribute the stage changed (lists, dicts, counters, arrays, values set
       per batch) is merged, so ``on_stage_end`` runs on every rank with the
       single-process loss, metrics and attributes (the TRAIN loss becomes the

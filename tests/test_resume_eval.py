@@ -122,3 +122,24 @@ def test_one_process_leaves_a_shuffled_loader_alone(tmp_path):
     brain.evaluate(workers.toy.make_dataset(*workers.TEST_SET), min_key="loss",
                    test_loader_kwargs={"batch_size": 2, "shuffle": True})
     assert len(brain.seen.ids) == workers.TEST_SET[0]
+
+
+def test_the_stage_loss_is_one_process_running_average_bit_for_bit(tmp_path):
+    """TEST sets of 97, 53 and 31 one-utterance batches with losses over seven orders
+    of magnitude and one non-finite: at 2 and 3 ranks, the stage loss that
+    evaluate() returns and on_stage_end sees equals plain SpeechBrain's running
+    average in one process bit for bit (a global sum over a global count differs
+    in the last bits); and so does a TEST interrupted at 2 ranks, resumed at 3
+    (issue 37)."""
+    sizes = [97, 53, 31]
+    want = workers.uneven_test_losses(0, 0, str(tmp_path / "single"), sizes)["losses"]
+    assert len(set(want)) == 3 and all(math.isfinite(loss) for loss in want)
+    for world_size in (2, 3):
+        for out in results(run_ranks(workers.uneven_test_losses, world_size, str(tmp_path / f"ws{world_size}"),
+                                     sizes, timeout=120)):
+            assert out["losses"] == want, (world_size, out["losses"], want)
+    folder = str(tmp_path / "resumed")
+    first = results(run_ranks(workers.uneven_test_losses, 2, folder, [97], 20, timeout=120))
+    assert {out["error"] for out in first} <= {"Interrupted", "RankFailedError"}
+    for out in results(run_ranks(workers.uneven_test_losses, 3, folder, [97], timeout=120)):
+        assert out["losses"] == want[:1]

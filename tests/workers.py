@@ -412,3 +412,46 @@ def cyclic_scheduler_recipe(rank, world_size, ckpt_dir, verify):
     brain.lrs = []
     toy.run_recipe(brain)
     return brain.lrs
+
+
+class UnevenLossBrain(toy.ToyBrain):
+    """TEST losses over seven orders of magnitude and a non-finite one (SpeechBrain's
+    running average skips it, and counts its step): where a sum over a count and
+    the running average differ in the last bits. ``interrupt_after``: TEST batches
+    this process evaluates before a stand-in preemption."""
+
+    interrupt_after = None
+
+    def compute_objectives(self, logits, batch, stage):
+        loss = super().compute_objectives(logits, batch, stage)
+        if stage != sb.Stage.TEST:
+            return loss
+        if self.interrupt_after is not None:
+            if self.interrupt_after == 0:
+                raise toy.Interrupted("preempted during TEST")
+            self.interrupt_after -= 1
+        number = int(batch.id[0][-3:])
+        return loss * 10.0 ** (number * 7 % 8 - 3) * (float("inf") if number == 41 else 1.0)
+
+
+class DDPUnevenLossBrain(ddp_eval.DDPEvalMixin, UnevenLossBrain):
+    """The same recipe, converted."""
+
+
+def uneven_test_losses(rank, world_size, directory, sizes, interrupt_after=None):
+    """The stage loss ``evaluate()`` returns for TEST sets of ``sizes`` one-utterance
+    batches, journaled after every batch; interrupted after ``interrupt_after``
+    batches on each rank (then ``{"error": ...}``)."""
+    cls = DDPUnevenLossBrain if world_size else UnevenLossBrain
+    opts = {"resume_eval_every_s": 0}
+    brain = toy.build(cls, directory, ddp_eval_opts=opts,
+                      checkpointer_cls=ddp_eval.Checkpointer if world_size else sb.utils.checkpoints.Checkpointer)
+    brain.interrupt_after = interrupt_after
+    losses = []
+    for size in sizes:
+        try:
+            losses.append(brain.evaluate(toy.make_dataset(size, size, "tst"), test_loader_kwargs={"batch_size": 1}))
+        except (toy.Interrupted, ddp_eval.DDPEvalError) as error:
+            return {"error": type(error).__name__}
+        assert brain.log[-1]["loss"] == losses[-1]  # what on_stage_end saw
+    return {"losses": losses}

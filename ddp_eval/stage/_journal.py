@@ -2,7 +2,7 @@
 
 During a sharded stage with ``ddp_eval: resume_eval``, every rank writes, at
 most every ``resume_eval_every_s`` seconds, one journal *piece*: what the
-batches it finished since its previous piece contributed (loss sum and count,
+batches it finished since its previous piece contributed (each batch's loss,
 the entries they appended to metric objects, attribute increments), tagged with
 their global batch positions. Each rank writes only its own pieces, each whole
 or not at all (:func:`ddp_eval.checkpointing.commit.write_file_atomically`), so nothing is
@@ -21,7 +21,7 @@ Example
 -------
 >>> key = JournalKey("TEST", None, data="d1", batches=4, layout="l1")
 >>> journal = StageJournal(getfixture("tmp_path"), key, rank=0, every_s=0.0)
->>> journal.write("model-1", [0, 2], (1.5, 2), metrics={}, attributes={})
+>>> journal.write("model-1", [0, 2], [(0, 1.5), (2, None)], metrics={}, attributes={})
 >>> pieces, notes = find_resumable(getfixture("tmp_path"), key, lambda: "model-1")
 >>> [piece["positions"] for _, piece in pieces], notes
 ([[0, 2]], [])
@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from ddp_eval.checkpointing.commit import write_file_atomically
 
-FORMAT = 3  # 3 (0.4.0): metric objects' other fields as attribute changes, list entries, rebuilt values; 2: 0.3
+FORMAT = 4  # 4 (0.7.0): each batch's loss; 3 (0.4.0): metric objects' other fields as attribute changes; 2: 0.3
 JOURNAL_DIRNAME = ".ddp_eval-journal"
 PIECE_PREFIX = "piece-"
 
@@ -92,13 +92,14 @@ class StageJournal:
         """Whether the interval since the previous piece has passed."""
         return time.monotonic() - self._last >= self.every_s
 
-    def write(self, model: str, positions: Sequence[int], loss: Tuple[float, int], metrics: Any,
+    def write(self, model: str, positions: Sequence[int], loss: Sequence[Tuple[int, Optional[float]]], metrics: Any,
               attributes: Any, batch_digests: Optional[Dict[int, Optional[str]]] = None,
               checkpoint: Optional[str] = None, outputs: Optional[Dict[str, Any]] = None) -> None:
         """Writes one piece: the contributions of the batches at ``positions``."""
         piece = {"format": FORMAT, "key": dataclasses.asdict(self.key), "model": model, "checkpoint": checkpoint,
                  "rank": self.rank, "positions": list(positions), "batch_digests": batch_digests or {},
-                 "loss": tuple(loss), "metrics": metrics, "attributes": attributes, "outputs": outputs or {}}
+                 "loss": [tuple(pair) for pair in loss], "metrics": metrics, "attributes": attributes,
+                 "outputs": outputs or {}}
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{PIECE_PREFIX}{self.run}-r{self.rank}-{len(self.written):06d}.pkl"
         write_file_atomically(path, pickle.dumps(piece, protocol=pickle.HIGHEST_PROTOCOL), self.fsync)

@@ -6,7 +6,7 @@ stage's batch plan), layout and model; the stage-start exchange takes its
 answer to every rank, where :meth:`StageResume.accept` tells the sampler to
 deal only the batches not done. :meth:`StageResume.after_batch` writes this
 rank's piece when the interval has passed. At stage end, rank 0 adds the old
-pieces to the merge (:meth:`StageResume.old_states`, :meth:`StageResume.old_loss`),
+pieces to the merge (:meth:`StageResume.old_states`, :meth:`StageResume.old_losses`),
 and :meth:`StageResume.close` removes the journal once ``on_stage_end`` has
 finished on every rank.
 
@@ -40,8 +40,7 @@ class StageRecord(Protocol):
     metrics: MetricRecorder
     attributes: AttributeTracker
     outputs: StageOutputs
-    loss_sum: float
-    loss_count: int
+    losses: List[Optional[float]]
 
 
 def compress(positions: Sequence[int]) -> List[Tuple[int, int]]:
@@ -83,7 +82,6 @@ class StageResume:
         self.old = old  # rank 0: (path, piece) of the journal it resumes
         self.model = model  # this stage's model fingerprint, taken together at stage start
         self.journaled_batches = 0  # this rank's batches already in a piece
-        self.journaled_loss = (0.0, 0)
         self.failed = False
 
     @staticmethod
@@ -155,22 +153,21 @@ class StageResume:
         positions = global_batch_ids(stage.loader)
         covered = positions[self.journaled_batches: stage.metrics.batches]
         digests = getattr(stage.loader, "digests", {})
-        loss = (stage.loss_sum - self.journaled_loss[0], stage.loss_count - self.journaled_loss[1])
+        loss = list(zip(covered, stage.losses[self.journaled_batches: stage.metrics.batches]))
         checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
         self.journal.write(self.model, covered, loss, stage.metrics.piece(positions),
                            stage.attributes.piece(positions), {p: digests.get(p) for p in covered}, checkpoint,
                            stage.outputs.state(positions, self.journaled_batches))
         self.journaled_batches = stage.metrics.batches
-        self.journaled_loss = (stage.loss_sum, stage.loss_count)
 
     def old_states(self) -> List[Tuple[Any, Any, Any]]:
         """``(metric state, attribute changes, per-batch files)`` of each resumed
         piece (rank 0; else empty)."""
         return [(piece["metrics"], piece["attributes"], piece["outputs"]) for _, piece in self.old]
 
-    def old_loss(self) -> Tuple[float, int]:
-        """Loss sum and count of the resumed pieces (rank 0; else zero)."""
-        return (sum(piece["loss"][0] for _, piece in self.old), sum(piece["loss"][1] for _, piece in self.old))
+    def old_losses(self) -> List[Tuple[int, Optional[float]]]:
+        """``(position, loss)`` of the resumed pieces' batches (rank 0; else none)."""
+        return [tuple(pair) for _, piece in self.old for pair in piece["loss"]]
 
     def close(self) -> None:
         """After on_stage_end on every rank: each rank removes its pieces, rank 0 the

@@ -90,7 +90,7 @@ class ShardedStage:
         self.resume: Optional[StageResume] = None
         self.running = False  # between start() and finish(): batches are being evaluated
         self.local_collectives = sb_compat.local_collectives()
-        self.loss_sum, self.loss_count = 0.0, 0
+        self.losses: List[Optional[float]] = []  # per batch, in this rank's order; None: not finite
         self.verifier: Optional[StageVerifier] = None  # verify: the one-process reference of this stage
         self.scratch: Optional[str] = None  # where stage_output files go during the reference pass
         self.gathered: list = []  # FSDP modules whose full parameters this stage holds
@@ -170,9 +170,8 @@ class ShardedStage:
 
     def after_batch(self, loss: Any) -> None:
         """Notes the batch's loss and what it changed; journals when due."""
-        if torch.isfinite(torch.as_tensor(loss)):  # as SpeechBrain's average skips non-finite losses
-            self.loss_sum += float(loss)
-            self.loss_count += 1
+        finite = bool(torch.isfinite(torch.as_tensor(loss)))  # SpeechBrain's average skips the others
+        self.losses.append(float(loss) if finite else None)
         batch = self.metrics.batches
         self.book.observe()
         self.outputs.after_batch(batch)
@@ -246,13 +245,12 @@ class ShardedStage:
             check_same_batches(describe_loader(self.loader, self.stage.name), report.stream_read,
                                self.loader.ledger)
         report.raise_or_warn()
-        old_sum, old_count = self.resume.old_loss() if self.resume is not None else (0.0, 0)
-        total, count = dist.all_reduce_sum([self.loss_sum + old_sum, self.loss_count + old_count])
         record = collected["record"]
         won = {path: blob for path, blob in record.bound.items() if report.winners.get(path) == dist.get_rank()}
         gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
         states = [pickle.loads(state) for state, _ in gathered]
         pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
+        loss = running_average([pair for state in states for pair in state[2]])
         merged = merge_stage([s[0] for s in states] + [(p[0], p[1]) for p in pieces], per_rank)
         # after the last collective: a failure on this rank alone meets the others at on_stage_end's exchange
         self.book.apply(merged, report.layouts, report.winners, [pickle.loads(w) for _, w in gathered],
@@ -261,7 +259,7 @@ class ShardedStage:
         self._write_outputs([s[1] for s in states] + [p[2] for p in pieces])
         self.outputs.remove_parts()
         report.warn_effects()
-        return total / count if count else 0.0
+        return loss
 
     def _collect(self, collected: Dict[str, Any]) -> Dict[str, Any]:
         """Everything that can fail on one rank, before the exchange: this rank's
@@ -273,7 +271,8 @@ class ShardedStage:
                    if label not in excluded}
         old = self.resume.old_states() if self.resume is not None else []
         places = list(positions[: self.metrics.batches]) + [float("inf")]
-        collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), old)), record=record)
+        losses = list(zip(positions, self.losses)) + (self.resume.old_losses() if self.resume is not None else [])
+        collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), losses, old)), record=record)
         return {**record.report, "outside": outside, "stream": self._stream_read(),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
                 "modules": (self.modules, module_states(self.brain), self.used_modules),
@@ -320,6 +319,25 @@ class ShardedStage:
         """After ``on_stage_end`` ran on every rank: the journal is no longer needed."""
         if self.resume is not None:
             self.resume.close()
+
+
+def running_average(losses: List[Tuple[int, Optional[float]]]) -> float:
+    """SpeechBrain's stage loss (``Brain.update_average``) over every batch of the
+    stage, ``(global position, loss or None if not finite)``, replayed in one
+    process's order: bit for bit what one process computes (a sum over a count
+    differs in the last bits).
+
+    Example
+    -------
+    >>> running_average([(1, 2.0), (0, 1.0), (2, None)])  # the third batch counts as a step, as in SpeechBrain
+    1.5
+    """
+    average = 0.0
+    for step, (_, loss) in enumerate(sorted(losses, key=lambda pair: pair[0]), start=1):
+        if loss is not None:
+            average -= average / step
+            average += loss / step
+    return average
 
 
 def recipe_globals(brain: Any) -> Dict[str, int]:

@@ -221,8 +221,9 @@ class OutsideState:
 
 def compare(loss: float, reference_loss: float, merged: Dict[str, Any], reference: Dict[str, Any]
             ) -> Tuple[int, List[Tuple[str, str, str]]]:
-    """``(number of values compared, differences)``: the loss (to 1e-9 relative:
-    SpeechBrain's running average against ddp_eval's sum over count), every
+    """``(number of values compared, differences)``: the loss (to 1e-9 relative: the
+    merged loss is one process's bit for bit, but a re-evaluation on a GPU need not
+    repeat its forwards' last bits), every
     attribute, and each metric object's ``summarize()``."""
     differences, count = [], 1
     if not (abs(loss - reference_loss) <= 1e-9 * max(abs(loss), abs(reference_loss)) or loss == reference_loss):
