@@ -1,6 +1,5 @@
 """DDPEvalMixin on real gloo process groups, compared with one process."""
 
-import math
 from collections import Counter
 
 import pytest
@@ -32,7 +31,7 @@ def single_process(tmp_path_factory):
 def _assert_same_metrics(dist_record, single_record):
     assert dist_record["stage"] == single_record["stage"]
     assert dist_record["epoch"] == single_record["epoch"]
-    assert math.isclose(dist_record["loss"], single_record["loss"], rel_tol=1e-6)
+    assert dist_record["loss"] == single_record["loss"]  # bit for bit
     if "metrics" in single_record:
         # summaries, write_stats text and utterance order: bit for bit
         assert repr(dist_record["metrics"]) == repr(single_record["metrics"])
@@ -56,7 +55,7 @@ def test_distributed_equals_single_process(world_size, single_process, tmp_path)
         for d, s in zip(dist_eval, eval_records):
             _assert_same_metrics(d, s)
         for key in ("test_loss", "tiny_loss", "ready_loss", "ready_sharded_loss"):
-            assert math.isclose(out[key], single[key], rel_tol=1e-6), key
+            assert out[key] == single[key], key  # bit for bit
         # on_stage_end ran on every rank for TRAIN, VALID and TEST
         assert [r["stage"] for r in out["log"]] == [r["stage"] for r in single["log"]]
         # identical arguments on every rank, bit for bit (TRAIN loss included)
@@ -86,7 +85,7 @@ def test_sharding_switched_off_per_stage(single_process, tmp_path):
         for d, s in zip(out["log"], single["log"]):
             if d["stage"] != "TRAIN":
                 _assert_same_metrics(d, s)
-        assert math.isclose(out["test_loss"], single["test_loss"], rel_tol=1e-6)
+        assert out["test_loss"] == single["test_loss"]
     seen_valid = Counter(i for out in per_rank for i in out["seen"]["fit"])
     assert seen_valid == Counter(single["seen"]["fit"])  # still sharded
 
@@ -152,7 +151,7 @@ def test_batchnorm_trained_under_ddp_then_ranks_without_a_batch(world_size, tmp_
         records = [r for r in out["log"] if r["stage"] != "TRAIN"]
         assert [r["stage"] for r in records] == ["VALID", "TEST"]
         for got, want in zip(records, expected):
-            assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6), (got["loss"], want["loss"])
+            assert got["loss"] == want["loss"], (got["loss"], want["loss"])
             assert repr(got["metrics"]) == repr(want["metrics"])
     n_valid = workers.BN_SETS["valid"][0]
     for stage, want in (("valid", single.seen.ids[:n_valid]), ("test", single.seen.ids[n_valid:])):

@@ -37,7 +37,7 @@ def evaluation_records(out):
 def assert_records_equal(got, want, skip=()):
     assert [r["stage"] for r in got] == [r["stage"] for r in want]
     for g, w in zip(got, want):
-        assert math.isclose(g["loss"], w["loss"], rel_tol=1e-9)
+        assert g["loss"] == w["loss"]  # bit for bit
         for key in set(w) - {"loss"} - set(skip):
             assert repr(g[key]) == repr(w[key]), (g["stage"], key)
 
