@@ -63,6 +63,7 @@ KEY_PREFIX = "ddp_eval"
 REPORT_GRACE_S = 0.5
 _BACKUPS = 8
 _timeout_s = DEFAULT_TIMEOUT_S
+WAIT_SLICE_S = 2.0  # the longest single store wait (ControlChannel._wait)
 _DECIDED = 1 << 40  # added to an exchange's arrival count once a failure is decided
 
 
@@ -333,11 +334,21 @@ class ControlChannel:
         store.set(self._key(seq, "answer"), pickle.dumps(verdict))
 
     def _wait(self, key: str, seconds: float) -> bool:
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
-            return True
-        except Exception:  # DistStoreError / RuntimeError on timeout
-            return False
+        """Whether ``key`` exists within ``seconds``: waits in slices of at most
+        ``WAIT_SLICE_S``, checking the key between them, so a wake-up the store
+        loses (seen with 64 clients of one TCPStore in one process, under load)
+        delays a rank by one slice, not until the timeout."""
+        deadline = time.monotonic() + max(seconds, 0.001)
+        while True:
+            slice_s = min(deadline - time.monotonic(), WAIT_SLICE_S)
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=max(slice_s, 0.001)))
+                return True
+            except Exception:  # DistStoreError / RuntimeError on timeout
+                if self.store.check([key]):
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
 
     def _coordinate(self, seq: int, tag: str, timeout: float) -> tuple:
         store = self.store
