@@ -8,7 +8,8 @@ setup(
     python_requires=">=3.9",
     # Lower bounds: the oldest pair CI tests (.ci/run; README: Supported versions).
     install_requires=["speechbrain>=1.0.3", "torch>=2.4.1", "torchaudio>=2.4.1", "hyperpyyaml", "pyyaml", "soundfile"],
-    # sacrebleu: SpeechBrain's BLEUStats, in the recipe-pattern tests.
-    extras_require={"test": ["pytest>=7", "pytest-timeout", "webdataset", "ruff", "sacrebleu", "hypothesis>=6"],
+    # sacrebleu: SpeechBrain's BLEUStats, in the recipe-pattern tests; pytest-xdist: two test workers (pytest.ini).
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "webdataset", "ruff", "sacrebleu",
+                             "hypothesis>=6"],
                     "bench": ["matplotlib"]},
 )
