@@ -10,7 +10,8 @@ through ``.data`` and ``out=``; every two-input NumPy ufunc applied in place,
 ``+=`` (str, bytes, tuples, lists, tensors, arrays), ``max``/``min``,
 ``numpy.append``, ``torch.cat``, ``torch.stack``; fields of a dataclass and of a
 ``SimpleNamespace``; metric objects created lazily in a ``defaultdict``; an
-iterator consumed; values computed from accumulated state (``len(self.items)``).
+iterator consumed; values computed from accumulated state (``len(self.items)``);
+appends steered by a read of the list (``if len(self.first) < 5: append``).
 
 Each operation is a function ``(brain, batch) -> None`` of the batch's global
 position only, so one process and any split of the batches over ranks run the
@@ -211,6 +212,12 @@ def _fixed():
         "lazy metric object": lambda h, b: h.lazy[f"c{b % 2}"].add(value(b)),
         "iterator consumed": lambda h, b: setattr(h, "last_item", next(h.it)),
         "len(accumulated)": lambda h, b: setattr(h, "derived", len(h.c_list)),
+        # reads of accumulated state that steer what is added (issue 37)
+        "if len(list) < k: append": lambda h, b: h.c_list.append(b) if len(h.c_list) < 5 else None,
+        "if x not in list: append": lambda h, b: h.c_list.append(b % 3) if b % 3 not in h.c_list else None,
+        "if not list: append": lambda h, b: h.c_list.append(b) if not h.c_list else None,
+        "append(list[-1] + 1)": lambda h, b: h.c_list.append(h.c_list[-1] + 1 if len(h.c_list) else b),
+        "for x in list: ... append": lambda h, b: h.c_list.append(sum(1 for x in h.c_list if x == b % 2)),
         "sum(accumulated)": lambda h, b: setattr(h, "derived", sum(h.c_counter.values())),
         "from a number": lambda h, b: setattr(h, "derived", h.n * 2),
         "get(k, 0) + 1": lambda h, b: h.c_dict.__setitem__(f"g{b % 2}", h.c_dict.get(f"g{b % 2}", 0) + 1),

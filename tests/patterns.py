@@ -377,15 +377,19 @@ class PatternBrain(toy.ToyBrain):
     def _start_unmergeable_code(self, stage):
         self.sorted_scores, self.recent = [], collections.deque(maxlen=5)
         self.n_scores = 0
+        self.first_ids = []  # the first three utterances evaluated
 
     def _batch_unmergeable_code(self, logits, labels, loss, batch, stage):
         self.sorted_scores.append(float(loss))
         self.sorted_scores.sort()
         self.recent.extend(batch.id)
         self.n_scores = len(self.sorted_scores)
+        if len(self.first_ids) < 3:  # a read of accumulated state steers the append
+            self.first_ids.append(batch.id[0])
 
     def _end_unmergeable_code(self, stage, stage_loss, epoch):
-        return {"sorted": list(self.sorted_scores), "recent": list(self.recent), "n_scores": self.n_scores}
+        return {"sorted": list(self.sorted_scores), "recent": list(self.recent), "n_scores": self.n_scores,
+                "first_ids": list(self.first_ids)}
 
     # -- modules -------------------------------------------------------------------
 

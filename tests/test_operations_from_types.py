@@ -184,3 +184,28 @@ def test_the_property_fails_with_the_stage_end_checks_off(monkeypatch):
     assert silently_wrong(*wrong) is not None
     monkeypatch.setattr(_recording, "ENABLED", True)
     assert silently_wrong(*wrong) is None
+
+
+# Reads of a list's accumulated entries that steer what a batch appends (issue 37)
+STEERING = ["if len(list) < k: append", "if x not in list: append", "if not list: append", "append(list[-1] + 1)",
+            "for x in list: ... append", "list.append"]
+
+
+@pytest.mark.fast
+@SHORT
+@given(programs(names=STEERING))
+def test_appends_steered_by_a_read_equal_one_process_or_are_named(program):
+    _check(program)
+
+
+@pytest.mark.fast
+def test_without_naming_steered_appends_the_property_fails(monkeypatch):
+    """With the read-then-append naming switched off, hypothesis finds a program whose
+    list is silently wrong (each rank's read saw its own batches only)."""
+    for quiet in _recording._CLASSES.values():
+        monkeypatch.setattr(quiet, "_steerable", False)
+    wrong = find(programs(names=STEERING), lambda p: any(p[0]) and silently_wrong(*p) is not None,
+                 settings=settings(max_examples=500, derandomize=True, database=None))
+    assert silently_wrong(*wrong) is not None
+    monkeypatch.undo()
+    assert silently_wrong(*wrong) is None

@@ -220,7 +220,10 @@ def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
     warnings = " ".join(outs[0]["unmergeable_code"]["warnings"])
     assert "'sorted_scores': a batch" in warnings and "sort()" in warnings, warnings
     assert "'recent': a batch called extend() on this deque" in warnings
-    assert "'n_scores': a batch (on rank" in warnings and "set it after reading ['sorted_scores']" in warnings
+    assert "'n_scores': a batch (on rank" in warnings and "set it after reading [" in warnings
+    assert "'sorted_scores']" in warnings  # the reads of its batch (first_ids too, read after the set)
+    assert "'first_ids': a batch read this list's accumulated entries" in warnings and "append()" in warnings
     want = evaluation_records(references["unmergeable_code"])
     got = evaluation_records(outs[0]["unmergeable_code"])
     assert any(g[k] != w[k] for g, w in zip(got, want) for k in ("sorted", "recent", "n_scores"))  # named, not merged
+    assert any(g["first_ids"] != w["first_ids"] for g, w in zip(got, want))  # the read steered: no merge is right

@@ -92,6 +92,8 @@ def _noting(kind: type, name: str):
     def noted(self, *args, **kwargs):
         if self._depth == 0 and name not in self._grows and name not in self.ops:
             self.ops.append(name)  # each name once: a sort per batch keeps one entry, not one a batch
+        elif LISTENING and self._depth == 0 and self._read and self.steered is None and self._steerable:
+            self.steered = name  # a batch read the list's accumulated entries, then grew it
         self._depth += 1
         try:
             return method(self, *args, **kwargs)
@@ -106,6 +108,8 @@ class _Recording:
 
     _depth = 0
     _read = False  # read by the batch under way (see READ)
+    _steerable = False  # a list: what a batch appends after reading it may depend on the read
+    steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
 
     def __reduce__(self):  # pickles and copies as the plain container
@@ -212,7 +216,8 @@ def _recording_class(kind: type) -> type:
     name = kind.__name__[:1].upper() + kind.__name__[1:]
     # between batches a copy is of the quiet class (the type's own C methods: ddp_eval's reads cost
     # nothing); while a batch runs, of the listening one (every method noted), see listen()
-    quiet = type("Recording" + name, (_Recording, kind), {"_kind": kind, "_grows": grows, "__module__": __name__})
+    quiet = type("Recording" + name, (_Recording, kind), {"_kind": kind, "_grows": grows, "__module__": __name__,
+                                                          "_steerable": _builtin(kind) is list})
     listening = type("Listening" + name, (quiet,), namespace)
     quiet._quiet = listening._quiet = quiet
     quiet._listening = listening._listening = listening
@@ -305,6 +310,11 @@ def unmergeable_operations(recorded: Any) -> Optional[str]:
         return ("batches consumed this iterator: in one process each batch reads the next item after every "
                 "earlier batch's, on a rank after its own batches' only; iterate in on_stage_end, or keep the "
                 "items in a list and index it by the batch") if recorded.consumed else None
+    if recorded.steered is not None and not recorded.ops:
+        return (f"a batch read this list's accumulated entries (len, in, iteration, truthiness or a comparison) "
+                f"and then called {recorded.steered}() on it: in one process that read sees every earlier batch's "
+                "entries, on a rank only its own batches', so what is added may differ; keep every entry and "
+                "select in on_stage_end (e.g. the first five there), or keep the read out of the batch code")
     if not recorded.ops:
         return None
     kind = _builtin(recorded._kind)

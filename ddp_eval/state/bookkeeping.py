@@ -194,6 +194,7 @@ class StageBook:
     def collect(self, positions: Sequence[int]) -> Collected:
         """At stage end (probes out): this rank's record, its batches at the global
         ``positions``; what the record does not explain is named in ``unmergeable``."""
+        self.attributes.stop_listening()  # no batch runs: the reads and writes from here on are ddp_eval's
         metric_state = self.metrics.finish(self.brain, positions)
         changes, unmergeable = self.attributes.finish(positions)
         unmergeable.update(self.metrics.unexplained())
