@@ -398,3 +398,31 @@ def test_state_the_engine_cannot_read_is_named_when_it_changes():
     _, records, _ = simulate_stage([[0, 2], [1]], make, batch, DDPEvalConfig())
     for record in records:
         assert set(record.report["unmergeable"]) == {"recent", "slotted", "rng", "it"}, record.report["unmergeable"]
+
+
+def test_streams_and_generators_batches_touch_are_named():
+    """Issue 37: objects that cannot be pickled, written or advanced by batches (an
+    ``io.StringIO`` log, an ``io.BytesIO``, a generator made in ``on_stage_start``,
+    which is no recording copy's), are named with what to do, at 2 ranks; the same
+    objects left alone name nothing. A StringIO's ``__dict__`` is empty: it was
+    watched as a plain object and never named."""
+    import io
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
+                                     log=io.StringIO(), blob=io.BytesIO(), quiet=io.StringIO("kept\n"),
+                                     idle_gen=(i for i in range(5)))
+
+    def batch(h, b):
+        h.log.write(f"utt{b} yes\n")
+        h.blob.write(bytes([b]))
+        if b == 0:
+            h.gen = (i for i in range(100))  # bound by a batch, then advanced by a later one on the same rank
+        elif hasattr(h, "gen"):
+            next(h.gen)
+
+    _, records, _ = simulate_stage([[0, 2], [1, 3]], make, batch, DDPEvalConfig())
+    named = records[0].report["unmergeable"]
+    assert {"log", "blob", "gen"} <= set(named) and not {"quiet", "idle_gen"} & set(named), named
+    assert "append the lines to a list" in named["log"] and "stage_output" in named["log"]
+    assert set(records[1].report["unmergeable"]) >= {"log", "blob"}

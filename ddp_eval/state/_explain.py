@@ -82,6 +82,8 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
     own = getattr(value, "__dict__", None)
     if callable(value) or isinstance(value, (type, torch.nn.Module)):
         return ("object", id(value))
+    if isinstance(value, io.IOBase) or hasattr(value, "gi_frame"):  # its __dict__ shows none of its state
+        return ("object", id(value), _unpicklable_digest(value))
     if own is None or type(value).__reduce_ex__ is not object.__reduce_ex__ or (  # state the engine cannot read
             type(value).__reduce__ is not object.__reduce__):  # (random.Random keeps its state in C)
         return ("object", id(value), opaque_digest(value))
@@ -132,9 +134,37 @@ def opaque_digest(value: Any) -> Optional[int]:
     buffer = io.BytesIO()
     try:
         _Digester(buffer, protocol=4).dump(value)
-    except Exception:  # a file, a generator, a lock: cannot be read
-        return None
+    except Exception:  # a file, a generator, a lock: cannot be pickled; read what says it changed
+        return _unpicklable_digest(value)
     return zlib.crc32(buffer.getbuffer())
+
+
+def _unpicklable_digest(value: Any) -> Optional[int]:
+    """What changes when batches touch an object that cannot be pickled: an in-memory
+    stream's contents and position, a file's position, a generator's place; None
+    for anything else (only its identity counts).
+
+    Example
+    -------
+    >>> log = io.StringIO()
+    >>> before = _unpicklable_digest(log)
+    >>> _ = log.write("utt1 yes\n")
+    >>> _unpicklable_digest(log) == before
+    False
+    """
+    try:
+        if isinstance(value, (io.StringIO, io.BytesIO)):
+            contents = value.getvalue()
+            contents = contents.encode("utf-8", "surrogatepass") if isinstance(contents, str) else contents
+            return zlib.crc32(contents, zlib.crc32(repr(("stream", value.tell())).encode()))
+        if isinstance(value, io.IOBase):
+            return zlib.crc32(repr(("file", value.closed or value.tell())).encode())
+        frame = getattr(value, "gi_frame", getattr(value, "cr_frame", None))
+        if hasattr(value, "gi_frame") or hasattr(value, "cr_frame"):
+            return zlib.crc32(repr(("generator", frame.f_lasti if frame is not None else "done")).encode())
+    except (OSError, ValueError):  # a closed or unseekable stream
+        return None
+    return None
 
 
 class Fingerprint:

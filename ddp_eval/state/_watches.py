@@ -25,6 +25,7 @@ Example
 
 import array
 import collections
+import io
 import itertools
 import logging
 import operator
@@ -100,7 +101,12 @@ class Watch:
 
     def finish(self) -> None:
         """At stage end: an object whose contents changed although nothing was recorded is named."""
-        if unexplained(self.marker, self.obj):
+        if unexplained(self.marker, self.obj) and isinstance(self.obj, io.IOBase):
+            self.slot.fail(f"a {type(self.obj).__name__} that batches wrote to or moved in, which ddp_eval cannot "
+                           "merge (each rank holds its own batches' lines); append the lines to a list (merged in "
+                           "batch order) and write them in on_stage_end, or write a file opened as "
+                           "open(self.stage_output(path), 'a')")
+        elif unexplained(self.marker, self.obj):
             self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place, which ddp_eval does "
                            "not record (it merges lists that grow, dicts, numbers, tensors and NumPy arrays); "
                            "keep the state in one of those, or compute it in on_stage_end")
@@ -486,7 +492,7 @@ _DICT_ONLY = (object, types.SimpleNamespace)
 
 # an object whose class comes from (or extends one of) these is not the recipe's own data: a sampler,
 # a loader, a tokenizer (their fields change as they work, e.g. a sampler's epoch at stage start)
-_FRAMEWORKS = ("torch", "numpy", "speechbrain", "logging", "io", "threading", "sentencepiece", "transformers")
+_FRAMEWORKS = ("torch", "numpy", "speechbrain", "logging", "io", "_io", "threading", "sentencepiece", "transformers")
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque, bytearray, str, bytes, int, float, complex)
