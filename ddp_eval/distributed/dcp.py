@@ -33,6 +33,7 @@ True
 ['bias', 'weight']
 """
 
+import inspect
 import pathlib
 from typing import Any, Dict, List, Mapping
 
@@ -55,8 +56,17 @@ from torch.distributed.checkpoint.state_dict import (
 SUFFIX = ".dcp"
 
 
-def _no_dist() -> bool:
+def _alone() -> bool:
     return not (dist.is_available() and dist.is_initialized())
+
+
+def _no_dist() -> dict:
+    """``no_dist`` for DCP's save and load without a process group (torch >= 2.5 takes
+    it; 2.4 decides so itself)."""
+    return {"no_dist": _alone()} if _TAKES_NO_DIST else {}
+
+
+_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters
 
 
 def _owner(modules: Mapping[str, torch.nn.Module]) -> torch.nn.Module:
@@ -80,7 +90,7 @@ def save(obj: Any, folder: pathlib.Path, modules: Mapping[str, torch.nn.Module])
 def save_state(state: Dict[str, Any], folder: pathlib.Path, group: Any = None) -> None:
     """Writes a state (:func:`state_of`, or its :func:`staged` copy) into ``folder``,
     every rank its shard, collectively over ``group`` (default: the default group)."""
-    dcp.save(state, checkpoint_id=str(folder), process_group=group, no_dist=_no_dist())
+    dcp.save(state, checkpoint_id=str(folder), process_group=group, **_no_dist())
 
 
 def staged(state: Any) -> Any:
@@ -105,7 +115,7 @@ def checkpoint_group() -> Any:
     collectives must not interleave with training's on the default group);
     made once per default group, on every rank at the same point (collective).
     None without a process group."""
-    if _no_dist():
+    if _alone():
         return None
     default = dist.distributed_c10d._get_default_group()
     if _groups.get("of") is not default:
@@ -125,7 +135,7 @@ def load(obj: Any, path: pathlib.Path, modules: Mapping[str, torch.nn.Module]) -
         state, options = state_of(obj, modules), None
         if optimizer:  # the groups' entries as the checkpoint holds them (a scheduler's prev_lr, ...)
             state["param_groups"] = _groups_to_read(state["param_groups"], _saved_group_keys(path), obj)
-        dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+        dcp.load(state, checkpoint_id=str(path), **_no_dist())
     else:  # a full state dict from SpeechBrain's or DDP's checkpoint: every rank keeps its part
         state, options = torch.load(path, map_location="cpu"), StateDictOptions(full_state_dict=True)
         state = _by_names(state, obj, modules) if optimizer else state
