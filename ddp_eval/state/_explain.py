@@ -148,7 +148,7 @@ def _unpicklable_digest(value: Any) -> Optional[int]:
     -------
     >>> log = io.StringIO()
     >>> before = _unpicklable_digest(log)
-    >>> _ = log.write("utt1 yes\n")
+    >>> _ = log.write("utt1 yes")
     >>> _unpicklable_digest(log) == before
     False
     """
