@@ -275,8 +275,8 @@ def test_fsdp_under_speechbrain_debug_saves_in_one_folder_and_evaluates_exactly(
         _same_records(out["log"], single["log"])
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
-@pytest.mark.parametrize("fresh", [False, True], ids=["alive", "exits"])
+@pytest.mark.parametrize("world_size,fresh", [pytest.param(2, False, marks=pytest.mark.fast), (2, True), (3, False),
+                                              (3, True)], ids=["alive-2", "exits-2", "alive-3", "exits-3"])
 def test_a_failure_inside_the_stage_start_gather_is_raised_on_every_rank_in_time(world_size, fresh, tmp_path):
     """Rank 1 fails while unsharding for a sharded TEST; the others wait inside the
     gather's all-gather. Whether rank 1's process stays (a caller that catches) or

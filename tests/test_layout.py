@@ -123,7 +123,7 @@ def test_doctests_are_collected_from_every_module_of_the_package():
     module of ddp_eval/ with a doctest example has its doctests collected (issue 38)."""
     import subprocess
     import sys
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "ddp_eval"],
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "ddp_eval"],
                             cwd=PACKAGE.parent, capture_output=True, text=True).stdout
     collected = {line.split("::")[0] for line in listed.splitlines() if "::" in line}
     with_examples = {f for f in _package_files() if ">>> " in (PACKAGE.parent / f).read_text()}
