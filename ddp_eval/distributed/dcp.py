@@ -165,21 +165,22 @@ def _saved_group_keys(folder: pathlib.Path) -> List[List[str]]:
 def _groups_to_read(current: List[Dict[str, Any]], saved: List[List[str]], optimizer: Any) -> List[Dict[str, Any]]:
     """The param groups DCP fills: exactly the saved entries (DCP refuses a key the
     checkpoint lacks and skips one the target lacks), the current values as placeholders."""
-    if len(saved) != len(current):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter group(s), this "
-                         f"{type(optimizer).__name__} has {len(current)}: expected the same groups. Build the "
-                         "optimizer as the run that saved it did, or start without this checkpoint.")
+    _check_group_count(len(saved), optimizer)
     return [{key: group.get(key) for key in keys} for group, keys in zip(current, saved)]
+
+
+def _check_group_count(saved: int, optimizer: Any) -> None:
+    if saved != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {saved} parameter group(s), this "
+                         f"{type(optimizer).__name__} has {len(optimizer.param_groups)}: expected the same groups. "
+                         "Build the optimizer as the run that saved it did, or start without this checkpoint.")
 
 
 def _adopt_group_entries(optimizer: Any, saved: List[Dict[str, Any]]) -> None:
     """Gives the optimizer's groups every entry the saved groups hold, before
     ``set_optimizer_state_dict`` (which maps saved entries onto the current ones and
     fails on one the current groups lack, e.g. SpeechBrain's ``prev_lr``)."""
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter group(s), this "
-                         f"{type(optimizer).__name__} has {len(optimizer.param_groups)}: expected the same groups. "
-                         "Build the optimizer as the run that saved it did, or start without this checkpoint.")
+    _check_group_count(len(saved), optimizer)
     for group, saved_group in zip(optimizer.param_groups, saved):
         group.update({key: value for key, value in saved_group.items() if key != "params"})
 
