@@ -37,6 +37,7 @@ True
 """
 
 import ctypes
+import functools
 import hashlib
 import zlib
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -122,7 +123,9 @@ class ModuleUse:
     """Which of the Brain's modules (and modules in its hparams) a stage used: a
     forward of the module or of any module inside it ran on this rank. A
     training-only module (a speed perturbation never called in VALID/TEST) that
-    differs across ranks changes no result. Its own hook is removed by :meth:`stop`.
+    differs across ranks changes no result. One forward pre-hook per module inside
+    each, removed once that module is known used (a used model costs its first
+    forward's hooks only); :meth:`stop` removes the rest.
 
     Example
     -------
@@ -136,23 +139,23 @@ class ModuleUse:
     """
 
     def __init__(self, brain: Any) -> None:
-        self.owners: Dict[int, List[str]] = {}
-        for where, module in model_modules(brain):
-            for sub in module.modules():
-                self.owners.setdefault(id(sub), []).append(where)
         self.used: set = set()
-        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
+        self._hooks: Dict[str, list] = {}
+        for where, module in model_modules(brain):
+            called = functools.partial(self._called, where)
+            self._hooks[where] = [sub.register_forward_pre_hook(called) for sub in module.modules()]
 
-    def _called(self, module: torch.nn.Module, args: Any) -> None:
-        owners = self.owners.get(id(module))
-        if owners is not None:
-            self.used.update(owners)
+    def _called(self, where: str, module: torch.nn.Module, args: Any) -> None:
+        self.used.add(where)
+        for hook in self._hooks.pop(where, ()):  # torch iterates over a copy of the hooks: removable here
+            hook.remove()
 
     def stop(self) -> List[str]:
-        """Removes the hook; returns where the used modules are."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Removes the hooks left; returns where the used modules are."""
+        for hooks in self._hooks.values():
+            for hook in hooks:
+                hook.remove()
+        self._hooks.clear()
         return sorted(self.used)
 
 
