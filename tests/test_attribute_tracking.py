@@ -416,8 +416,9 @@ def test_streams_and_generators_batches_touch_are_named():
     def batch(h, b):
         h.log.write(f"utt{b} yes\n")
         h.blob.write(bytes([b]))
-        if b == 0:
-            h.gen = (i for i in range(100))  # bound by a batch, then advanced by a later one on the same rank
+        if b == 0:  # bound and started by a batch, advanced again by a later one on the same rank: its place in
+            h.gen = (i for i in range(100))  # the code is the same yield, only its locals tell
+            next(h.gen)
         elif hasattr(h, "gen"):
             next(h.gen)
 

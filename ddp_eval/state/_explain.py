@@ -159,12 +159,28 @@ def _unpicklable_digest(value: Any) -> Optional[int]:
             return zlib.crc32(contents, zlib.crc32(repr(("stream", value.tell())).encode()))
         if isinstance(value, io.IOBase):
             return zlib.crc32(repr(("file", value.closed or value.tell())).encode())
-        frame = getattr(value, "gi_frame", getattr(value, "cr_frame", None))
-        if hasattr(value, "gi_frame") or hasattr(value, "cr_frame"):
-            return zlib.crc32(repr(("generator", frame.f_lasti if frame is not None else "done")).encode())
+        for name in ("gi_frame", "cr_frame", "ag_frame"):
+            if hasattr(value, name):  # a generator: where it stands, and its locals (a loop yields from one place)
+                frame = getattr(value, name)
+                return None if frame is None else _frame_digest(frame)
     except (OSError, ValueError):  # a closed or unseekable stream
         return None
     return None
+
+
+def _frame_digest(frame: Any) -> int:
+    """A suspended generator's place: its instruction and each local, pickled where it
+    can be (a range iterator pickles with its position), else by identity."""
+    digest = zlib.crc32(repr(("frame", frame.f_lasti)).encode())
+    for name, local in sorted(frame.f_locals.items()):
+        buffer = io.BytesIO()
+        try:
+            _Digester(buffer, protocol=4).dump(local)
+            part = bytes(buffer.getbuffer())
+        except Exception:
+            part = repr((type(local).__name__, id(local))).encode()
+        digest = zlib.crc32(name.encode() + part, digest)
+    return digest
 
 
 class Fingerprint:
