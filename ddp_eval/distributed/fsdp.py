@@ -157,18 +157,20 @@ def gather_parameters(modules: Iterable[torch.nn.Module]) -> List[Tuple[Any, Tup
     """Collective (call it on every rank, right after an exchange): unshards every
     FSDP module in ``modules`` and keeps it unsharded across forwards; returns what
     :func:`release_parameters` needs. A no-op without FSDP modules."""
-    gathered = []
+    gathered, handles = [], []
     try:
-        for module in fsdp_modules(modules):
+        for module in fsdp_modules(modules):  # every all-gather issued, in the same order on every rank
             gathered.append((module, _setting(module)))
             if hasattr(module, "set_reshard_after_forward"):  # torch >= 2.8
                 module.set_reshard_after_forward(False, recurse=False)
             else:  # what it does, in torch 2.7
                 for group in _groups(module._get_fsdp_state()):
                     group.post_forward_mesh_info = None
-            handle = module.unshard(async_op=True)
-            # bounded: a rank that fails before its all-gather must not leave the others in theirs
-            distributed.wait_for_works(_pending_all_gathers(module), "FSDP parameters gather")
+            handles.append(module.unshard(async_op=True))
+        # one bounded wait: a rank that fails before its all-gathers must not leave the others in theirs
+        distributed.wait_for_works([w for module, _ in gathered for w in _pending_all_gathers(module)],
+                                   "FSDP parameters gather")
+        for handle in handles:
             if handle is not None:
                 handle.wait()
     except BaseException:
