@@ -56,6 +56,35 @@ class LazyStats(MetricStats):
         self.n += 1
 
 
+def _scores(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+class KeepsHardest(MetricStats):
+    """A recipe's own metric object whose append keeps its three hardest items:
+    it sorts both lists by score and cuts them (issue 37)."""
+
+    def __init__(self):
+        super().__init__(metric=_scores)
+
+    def append(self, ids, *args, **kwargs):
+        super().append(ids, *args, **kwargs)
+        order = sorted(range(len(self.scores)), key=lambda i: -float(self.scores[i]))[:3]
+        self.ids, self.scores = [self.ids[i] for i in order], [self.scores[i] for i in order]
+
+
+class NewestFirst(MetricStats):
+    """A metric object that puts each new item first (``insert(0, ...)``)."""
+
+    def __init__(self):
+        super().__init__(metric=_scores)
+
+    def append(self, ids, *args, **kwargs):
+        for i, score in zip(ids, self.metric(*args, **kwargs)):
+            self.ids.insert(0, i)
+            self.scores.insert(0, score)
+
+
 def _attribute(kind):
     return "c_" + kind.__name__.lower()
 
@@ -88,6 +117,9 @@ class Brain:
         self.tally, self.ns = Tally(), types.SimpleNamespace(n=0, t=0.0)
         self.lazy = collections.defaultdict(LazyStats)
         self.it, self.last_item = iter(range(1000)), None
+        self.m, self.hardest, self.newest = MetricStats(metric=_scores), KeepsHardest(), NewestFirst()
+        self.made_hardest = collections.defaultdict(KeepsHardest)
+        self.made_newest = collections.defaultdict(NewestFirst)
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.n, self.text = 5, "earlier "
@@ -108,9 +140,9 @@ def _arguments(kind, b):
     return [(), (v,), (i,), (i, v), (many,), (0, 1)]
 
 
-def _call_method(kind, name):
+def _call_method(kind, name, field=None):
     def run(brain, b):
-        target = getattr(brain, _attribute(kind))
+        target = getattr(brain, _attribute(kind)) if field is None else getattr(brain.m, field)
         for args in _arguments(kind, b):
             try:
                 getattr(target, name)(*args)
@@ -223,6 +255,16 @@ def _fixed():
         "get(k, 0) + 1": lambda h, b: h.c_dict.__setitem__(f"g{b % 2}", h.c_dict.get(f"g{b % 2}", 0) + 1),
         "setdefault().append": lambda h, b: h.c_dict.setdefault(f"s{b % 2}", []).append(b),
         "set |=": lambda h, b: setattr(h, "c_set", h.c_set | {b % 4}),
+        # metric objects' lists (issue 37): SpeechBrain's append, a subclass's, trimming, a read that steers
+        "metric.append": lambda h, b: h.m.append([f"u{b}"], [value(b)]),
+        "metric keeps its hardest": lambda h, b: h.hardest.append([f"u{b}"], [value(b % 4)]),
+        "metric inserts first": lambda h, b: h.newest.append([f"u{b}"], [value(b)]),
+        "lazy metric keeps its hardest": lambda h, b: h.made_hardest[f"c{b % 2}"].append([f"u{b}"], [value(b % 4)]),
+        "lazy metric inserts first": lambda h, b: h.made_newest["c"].append([f"u{b}"], [value(b)]),
+        "lazy metric.append": lambda h, b: h.made_newest["c"].ids.append(f"u{b}"),
+        "metric trimmed": lambda h, b: (setattr(h.m, "ids", h.m.ids[-2:]), setattr(h.m, "scores", h.m.scores[-2:])),
+        "if len(metric.ids) < k: append": lambda h, b: h.m.append([f"u{b}"], [value(b)]) if len(h.m.ids) < 2
+        else None,
     }
 
 
@@ -258,6 +300,9 @@ def operations():
     for kind in CONTAINERS:
         for name in container_methods(kind):
             ops[f"{kind.__name__}.{name}"] = _call_method(kind, name)
+    for field in ("ids", "scores"):  # a metric object's lists, by the same methods
+        for name in container_methods(list):
+            ops[f"metric.{field}.{name}"] = _call_method(list, name, field)
     candidates = {f"Tensor.{name}": _tensor_method(name) for name in tensor_methods()}
     candidates.update({f"numpy.{name}(out=)": _ufunc(name) for name in numpy_ufuncs()})
     for label, op in candidates.items():

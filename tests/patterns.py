@@ -28,7 +28,9 @@ rank, returning what ``on_stage_end`` saw.
   float field created lazily in a ``defaultdict``, and a best score declared
   ``merge: max``: exact.
 * ``unmergeable_code`` (issue 32): a list sorted after each append, a ``deque(maxlen=5)``
-  of recent ids, a count read from accumulated state (``len(self.scores)``): named.
+  of recent ids, a count read from accumulated state (``len(self.scores)``), and (issue
+  37) metric objects whose lists are sorted and cut, inserted into, trimmed, or appended
+  after a read of their length: named.
 
 VALID: 23 utterances at batch 3 (8 batches), 2 epochs; TEST: 4 at batch 2 (2 batches:
 at 3 ranks, rank 2 evaluates no TEST batch).
@@ -79,6 +81,31 @@ def _bleu_stats():
         module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
         spec.loader.exec_module(module)
         return module.BLEUStats
+
+
+class KeepsHardest(MetricStats):
+    """A recipe's own metric object that keeps its three hardest utterances: its
+    append sorts both lists by score and cuts them (issue 37)."""
+
+    def __init__(self):
+        super().__init__(metric=lambda losses: losses)
+
+    def append(self, ids, losses):
+        super().append(ids, losses)
+        order = sorted(range(len(self.scores)), key=lambda i: -float(self.scores[i]))[:3]
+        self.ids, self.scores = [self.ids[i] for i in order], [self.scores[i] for i in order]
+
+
+class NewestFirst(MetricStats):
+    """A metric object that puts each new utterance first (``insert(0, ...)``)."""
+
+    def __init__(self):
+        super().__init__(metric=lambda losses: losses)
+
+    def append(self, ids, losses):
+        for i, score in zip(ids, self.metric(losses)):
+            self.ids.insert(0, i)
+            self.scores.insert(0, score)
 
 
 class DWERLike(MetricStats):
@@ -378,6 +405,8 @@ class PatternBrain(toy.ToyBrain):
         self.sorted_scores, self.recent = [], collections.deque(maxlen=5)
         self.n_scores = 0
         self.first_ids = []  # the first three utterances evaluated
+        self.hardest, self.newest = KeepsHardest(), NewestFirst()  # metric objects whose lists are not only appended
+        self.trimmed, self.first_five = MetricStats(metric=lambda x: x), MetricStats(metric=lambda x: x)
 
     def _batch_unmergeable_code(self, logits, labels, loss, batch, stage):
         self.sorted_scores.append(float(loss))
@@ -386,10 +415,18 @@ class PatternBrain(toy.ToyBrain):
         self.n_scores = len(self.sorted_scores)
         if len(self.first_ids) < 3:  # a read of accumulated state steers the append
             self.first_ids.append(batch.id[0])
+        losses = torch.nn.functional.cross_entropy(logits.detach(), labels, reduction="none")
+        self.hardest.append(batch.id, losses)
+        self.newest.append(batch.id, losses)
+        self.trimmed.append(batch.id, losses)
+        self.trimmed.ids, self.trimmed.scores = self.trimmed.ids[-4:], self.trimmed.scores[-4:]
+        if len(self.first_five.ids) < 5:  # a read of the metric object's list steers its append
+            self.first_five.append(batch.id, losses)
 
     def _end_unmergeable_code(self, stage, stage_loss, epoch):
         return {"sorted": list(self.sorted_scores), "recent": list(self.recent), "n_scores": self.n_scores,
-                "first_ids": list(self.first_ids)}
+                "first_ids": list(self.first_ids),
+                **{name: list(getattr(self, name).ids) for name in ("hardest", "newest", "trimmed", "first_five")}}
 
     # -- modules -------------------------------------------------------------------
 

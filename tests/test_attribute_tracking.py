@@ -217,7 +217,8 @@ def test_journal_pieces_merge_to_the_whole_stage():
                               total=0.0, counts=torch.zeros(4, dtype=torch.long), vec=torch.zeros(3),
                               last=None, per=collections.defaultdict(int))
     recorder = MetricRecorder(MetricFinder(), h)
-    tracker = AttributeTracker({n: (h, n) for n in ("items", "seen", "n", "total", "counts", "vec", "last", "per")})
+    names = ("items", "seen", "n", "total", "counts", "vec", "last", "per")
+    tracker = AttributeTracker({**{n: (h, n) for n in names}, **recorder.fields})  # err.ids: one engine
     positions = [3 * b + 1 for b in range(10)]
     metric_pieces, attribute_pieces = [], []
     tracker.before_batch()
@@ -244,7 +245,7 @@ def test_journal_pieces_merge_to_the_whole_stage():
     whole, _ = tracker.finish(positions)
     pieced = merge_attribute_states(attribute_pieces).merged
     merged = merge_attribute_states([whole]).merged
-    for label in ("items", "seen", "n", "total", "per"):
+    for label in ("items", "seen", "n", "total", "per", "err.ids", "err.scores"):
         assert repr(pieced[label]) == repr(merged[label]), label
     assert pieced["last"] == (Kind.LAST, "batch 9") and merged["last"] == (Kind.LAST, ELSEWHERE)
     assert torch.equal(pieced["counts"][1], merged["counts"][1])

@@ -209,3 +209,30 @@ def test_without_naming_steered_appends_the_property_fails(monkeypatch):
     assert silently_wrong(*wrong) is not None
     monkeypatch.undo()
     assert silently_wrong(*wrong) is None
+
+
+# A metric object's lists: SpeechBrain's append, subclasses that reorder or cut, dir(list) on its fields (issue 37)
+METRIC = [name for name in grammar.NAMES if "metric" in name]
+
+
+@pytest.mark.fast
+@SHORT
+@given(programs(names=METRIC))
+def test_metric_objects_lists_equal_one_process_or_are_named(program):
+    _check(program)
+
+
+@pytest.mark.fast
+def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeypatch):
+    """With a metric object's lists back on a recorder of lengths (0.6.0), hypothesis
+    finds a program whose metric object is silently wrong (a subclass that sorts, an
+    insert, a read that steers an append)."""
+    from ddp_eval.state import metrics
+
+    stage_start = [name for name in METRIC if not name.startswith("lazy")]
+    monkeypatch.setattr(metrics, "WATCH_FLAT_LISTS", False)
+    wrong = find(programs(names=stage_start), lambda p: any(p[0]) and silently_wrong(*p) is not None,
+                 settings=settings(max_examples=500, derandomize=True, database=None))
+    assert silently_wrong(*wrong) is not None
+    monkeypatch.undo()
+    assert silently_wrong(*wrong) is None

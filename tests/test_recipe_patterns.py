@@ -229,3 +229,8 @@ def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
     got = evaluation_records(outs[0]["unmergeable_code"])
     assert any(g[k] != w[k] for g, w in zip(got, want) for k in ("sorted", "recent", "n_scores"))  # named, not merged
     assert any(g["first_ids"] != w["first_ids"] for g, w in zip(got, want))  # the read steered: no merge is right
+    # issue 37: a metric object's lists sorted and cut, inserted into, trimmed, or appended after a read
+    for field in ("hardest.ids", "hardest.scores", "newest.ids", "trimmed.ids", "first_five.ids"):
+        assert f"'{field}'" in warnings, (field, warnings)
+    assert "insert()" in warnings and "then bound a new value to it" in warnings
+    assert all(any(g[k] != w[k] for g, w in zip(got, want)) for k in ("hardest", "newest", "trimmed", "first_five"))

@@ -10,7 +10,8 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import ddp_eval
 from ddp_eval.stage.sharding import ShardedBatchSampler, shard_batches
-from ddp_eval.state.metrics import MetricFinder, MetricRecorder, merge_metric_stats
+from ddp_eval.state.bookkeeping import simulate
+from ddp_eval.state.metrics import MetricFinder
 from tests import toy
 
 pytestmark = pytest.mark.fast
@@ -57,27 +58,24 @@ def test_merge_restores_single_process_order_for_any_split():
     """Random per-batch appends split round-robin over ranks merge back exactly."""
     rng = random.Random(0)
     for world in (1, 2, 3, 4):
-        single = sb.utils.metric_stats.ErrorRateStats()
-        ranks = [types.SimpleNamespace(m=sb.utils.metric_stats.ErrorRateStats()) for _ in range(world)]
-        recorders = [MetricRecorder(MetricFinder(), h) for h in ranks]
         n_batches = rng.randint(0, 9)
+        batches = []
         for g in range(n_batches):
             ids = [f"u{g}-{i}" for i in range(rng.randint(1, 3))]
-            hyp = [[rng.choice("ab")] for _ in ids]
-            ref = [[rng.choice("ab"), "c"] for _ in ids]
-            single.append(ids, hyp, ref)
-            owner = ddp_eval.stage.sharding.batch_owner(g, world)
-            ranks[owner].m.append(ids, hyp, ref)
-            recorders[owner].after_batch(ranks[owner])
-        states = [rec.finish(h, shard_batches(n_batches, r, world))
-                  for r, (rec, h) in enumerate(zip(recorders, ranks))]
-        merged = merge_metric_stats(states)
-        for rec, h in zip(recorders, ranks):
-            ddp_eval.state.metrics.apply_merged(rec.objects, rec.start, merged)
-            assert h.m.ids == single.ids
-            assert h.m.scores == single.scores
+            batches.append((ids, [[rng.choice("ab")] for _ in ids], [[rng.choice("ab"), "c"] for _ in ids]))
+
+        def make():
+            return {"m": sb.utils.metric_stats.ErrorRateStats()}
+
+        def append(objs, g, batches=batches):
+            objs["m"].append(*batches[g])
+
+        single, ranks = _simulate_ranks(make, append, n_batches, world)
+        for objs in ranks:
+            assert objs["m"].ids == single["m"].ids
+            assert objs["m"].scores == single["m"].scores
             if n_batches:
-                assert h.m.summarize() == single.summarize()
+                assert objs["m"].summarize() == single["m"].summarize()
 
 
 def test_without_process_group_mixin_changes_nothing(tmp_path):
@@ -100,22 +98,21 @@ def test_command_line_override_of_the_ddp_eval_section():
 
 
 def _simulate_ranks(make_objects, append, n_batches, world):
-    """Single-process: deal batches to simulated ranks, merge, return merged objects per rank."""
-    single = make_objects()
-    ranks = [make_objects() for _ in range(world)]
-    holders = [types.SimpleNamespace(**objs) for objs in ranks]
-    recorders = [MetricRecorder(MetricFinder(), h) for h in holders]
+    """Single-process: deal batches to simulated ranks (the stage's own record,
+    merge and apply, :func:`ddp_eval.state.bookkeeping.simulate`); returns the
+    objects one process holds and those of each rank after the merge."""
+    class Holder:
+        def __init__(self):
+            self._ddp_brain_attributes = frozenset()
+            vars(self).update(make_objects())
+
+    single = Holder()
     for g in range(n_batches):
-        append(single, g)
-        owner = ddp_eval.stage.sharding.batch_owner(g, world)
-        append(ranks[owner], g)
-        recorders[owner].after_batch(holders[owner])
-    states = [rec.finish(h, shard_batches(n_batches, r, world))
-              for r, (rec, h) in enumerate(zip(recorders, holders))]
-    merged = merge_metric_stats(states)
-    for rec in recorders:
-        ddp_eval.state.metrics.apply_merged(rec.objects, rec.start, merged)
-    return single, ranks
+        append(vars(single), g)
+    layout = [shard_batches(n_batches, r, world) for r in range(world)]
+    holders, records, _ = simulate(layout, Holder, lambda h, g: append(vars(h), g), ddp_eval.DDPEvalConfig())
+    assert not any(r.report["unmergeable"] for r in records)
+    return vars(single), [vars(h) for h in holders]
 
 
 def test_weighted_error_rate_and_base_stats_held_twice_merge_once():

@@ -12,6 +12,7 @@ never :mod:`ddp_eval.distributed`, :mod:`ddp_eval.stage` or :mod:`ddp_eval.check
 public API.
 """
 
+from ddp_eval.state import _standins  # noqa: F401 - stand-ins pass as plain values to yaml and torch.load
 from ddp_eval.state._attributes import AttributeTracker
 from ddp_eval.state._explain import Fingerprint
 from ddp_eval.state._order import as_chunks, growth_since, in_global_order

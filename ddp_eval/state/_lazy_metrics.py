@@ -86,6 +86,7 @@ class LazyMetricFields:
         """The original factories back; plain numbers in what they made."""
         for attribute, factory in self.factories.items():
             factory.unprobe()
+            factory.plain_lists()
             container = getattr(self.owner, attribute, None)
             if isinstance(container, collections.defaultdict) and container.default_factory is factory:
                 container.default_factory = factory.original

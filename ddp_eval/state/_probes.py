@@ -41,7 +41,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ddp_eval.state._rebuilt import add, concat, subtract
-from ddp_eval.state._values import ABSENT, Op, is_array, numpy
+from ddp_eval.state._recording import is_recording, listening_copy
+from ddp_eval.state._values import ABSENT, Op, as_builtin, is_array, is_metric_object, numpy
 
 PROBED_TYPES = (int, float, str, bytes)
 
@@ -85,8 +86,9 @@ class _Probe:
     def __sub__(self, other):
         return self._derive(Op.SUBTRACT, other, _base(self)(self) - other)
 
-    def __reduce__(self):
-        return _base(self), (_base(self)(self),)
+    def __reduce__(self):  # pickles, copies and saves as the plain number (a read of its value)
+        self._origin._used = self._origin._read = True
+        return as_builtin, (_base(self).__name__, _base(self)(self))
 
 
 _COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__")
@@ -277,6 +279,7 @@ class Factory:
     def __init__(self, original) -> None:
         self.original = original
         self.made: dict = {}  # id -> (object, probe or None, {field: probe}), of this batch
+        self.lists: list = []  # (object, field) of the recording copies it put in, for the whole stage
 
     def __call__(self):
         value = self.original()
@@ -288,6 +291,9 @@ class Factory:
             for name, field in own.items():
                 if type(field) in (int, float):
                     fields[name] = own[name] = probe(field)
+                elif type(field) is list and not field and is_metric_object(handed):  # its sort, insert: seen
+                    own[name] = listening_copy(field)
+                    self.lists.append((handed, name))
         self.made[id(handed)] = (handed, root, fields)
         return handed
 
@@ -307,6 +313,14 @@ class Factory:
                 field = obj.__dict__.get(name)
                 if isinstance(field, _Probe):
                     obj.__dict__[name] = plain(field)
+
+    def plain_lists(self) -> None:
+        """Plain lists back in place of the recording copies it put in (stage end)."""
+        for obj, name in self.lists:
+            field = obj.__dict__.get(name)
+            if is_recording(field):
+                obj.__dict__[name] = list(field)
+        self.lists = []
 
     def origin(self, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
         """``(factory value, ops since)`` if the factory made ``value`` (or a

@@ -33,13 +33,14 @@ Example
 (('&', ['b']), ('?&', ['b']))
 """
 
+import copy
 from typing import Any, List, Optional, Tuple
 
 import torch
 
 from ddp_eval.state import _recording
 from ddp_eval.state._recording import GROWS, changing_methods, is_recording
-from ddp_eval.state._values import Op, is_array, numpy
+from ddp_eval.state._values import Op, as_builtin, is_array, numpy
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__"}
 _SUB = {"sub", "__sub__"}
@@ -173,6 +174,21 @@ class TensorProbe(torch.Tensor):
                 out = type(out)(_child(o, record) for o in out)  # split, chunk, unbind
         return out
 
+    def __reduce_ex__(self, protocol):  # pickles and saves as the plain tensor (torch.load with weights_only too)
+        return _as_plain(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(_as_plain(self), memo)
+
+
+def _as_plain(probe: Any) -> torch.Tensor:
+    """The plain tensor a probe aliases; pickling or copying it is a read of its value."""
+    record = getattr(probe, "_ddp_record", None)
+    if record is not None:
+        (record.record if isinstance(record, _Used) else record).used = True
+    with torch._C.DisableTorchFunctionSubclass():
+        return probe.as_subclass(torch.Tensor)
+
 
 def _child(tensor: torch.Tensor, record: Any) -> "TensorProbe":
     child = tensor.as_subclass(TensorProbe)
@@ -202,6 +218,15 @@ def tensor_probe(tensor: torch.Tensor) -> TensorProbe:
 if numpy is not None:
     class ArrayProbe(numpy.ndarray):
         """A view of a watched NumPy array that notes what a batch computes from it."""
+
+        def __reduce__(self):  # pickles, copies and saves as the plain array (a read of its value)
+            return _plain_array(self).__reduce__()
+
+        def __deepcopy__(self, memo):
+            return copy.deepcopy(_plain_array(self), memo)
+
+        def __copy__(self):
+            return _plain_array(self).copy()
 
         def __array_finalize__(self, obj):
             # views of the probe (x[0:2]) report uses to the same record, as uses
@@ -262,6 +287,13 @@ else:  # pragma: no cover - torch installs numpy
     _ARRAY_TYPES = ()
 
 
+def _plain_array(probe: Any) -> Any:
+    root = _root_record(probe)
+    if root is not None:
+        root.used = True
+    return probe.view(numpy.ndarray)
+
+
 def _root_record(probe: Any) -> Any:
     """The record of a probe, or of the probe a view was taken of (None: not a probe)."""
     record = getattr(probe, "_ddp_record", None)
@@ -284,8 +316,9 @@ class _EmptyProbe:
             self._ddp_record._result(result, Op.CONCAT, self._base(other))
         return result
 
-    def __reduce__(self):
-        return self._base, (self._base(self),)
+    def __reduce__(self):  # pickles, copies and saves as the plain list or tuple (a read of it)
+        self._ddp_record.used = True
+        return as_builtin, (self._base.__name__, self._base(self))
 
 
 def _reading(name: str):

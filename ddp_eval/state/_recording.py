@@ -39,6 +39,8 @@ import io
 import types
 from typing import Any, Dict, FrozenSet, List, Optional
 
+from ddp_eval.state._values import as_builtin
+
 _FROZEN = {list: tuple, bytearray: bytes, set: frozenset, dict: types.MappingProxyType, collections.deque: tuple}
 # methods that build a new object, never change this one
 _BUILDS = frozenset({"copy", "__copy__", "__deepcopy__", "__reversed__", "fromkeys", "elements", "most_common",
@@ -112,11 +114,17 @@ class _Recording:
     steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
 
-    def __reduce__(self):  # pickles and copies as the plain container
-        return _rebuild, (self._kind, _contents(self), _extra(self))
+    def __reduce_ex__(self, protocol):  # pickles, copies and saves as the plain container
+        plain = _rebuild(self._kind, _contents(self), _extra(self))
+        if type(plain) in (list, dict):  # their own pickle is an opcode, not a reduce: torch.load accepts this
+            return as_builtin, (type(plain).__name__, plain)
+        return plain.__reduce_ex__(protocol)
 
-    def __reduce_ex__(self, protocol):
-        return self.__reduce__()
+    def __reduce__(self):
+        return self.__reduce_ex__(2)
+
+    def __copy__(self):  # a deque's and a defaultdict's own copy() would keep the recording class
+        return _rebuild(self._kind, _contents(self), _extra(self))
 
 
 def _contents(value: Any) -> Any:
@@ -125,8 +133,8 @@ def _contents(value: Any) -> Any:
 
 
 def _extra(value: Any) -> Any:
-    if isinstance(value, collections.defaultdict):
-        return value.default_factory
+    if isinstance(value, collections.defaultdict):  # the recipe's factory, not the one the stage wraps it in
+        return getattr(value.default_factory, "original", value.default_factory)
     if isinstance(value, collections.deque):
         return value.maxlen
     return None
@@ -288,6 +296,15 @@ def recording_copy(value: Any) -> Optional[Any]:
     copy.ops, copy.handed, copy.built = [], {}, []
     _fill(copy, value, type(value))
     CREATED.append(copy)
+    return copy
+
+
+def listening_copy(value: list) -> Any:
+    """A recording copy of a list that notes its operations from now on, outside any
+    attribute tracker (the lists of a metric object a ``defaultdict`` makes during
+    the stage); :func:`restore` gives the plain list back."""
+    copy = _CLASSES[list]._listening(value)
+    copy.ops, copy.handed, copy.built = [], {}, []
     return copy
 
 

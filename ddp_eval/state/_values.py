@@ -182,3 +182,25 @@ class Budget:
 
     def release(self, nbytes: int) -> None:
         self.used -= nbytes
+
+
+def is_metric_object(value: Any) -> bool:
+    """A SpeechBrain metric object (told by class name: no import of SpeechBrain here)."""
+    return any(cls.__name__ in ("MetricStats", "MultiMetricStats", "AccuracyStats") for cls in type(value).__mro__)
+
+
+_BUILTINS = {kind.__name__: kind for kind in (int, float, str, bytes, list, tuple, dict)}
+
+
+def as_builtin(kind: str, value: Any) -> Any:
+    """The builtin value a stand-in stands for: a probe or a recording copy pickles
+    as ``as_builtin("int", 3)``, so pickle, ``copy.deepcopy`` and ``torch.save``
+    give the plain type back (``torch.load(weights_only=True)`` accepts it:
+    :mod:`ddp_eval.state._standins`).
+
+    Example
+    -------
+    >>> as_builtin("list", (1, 2))
+    [1, 2]
+    """
+    return _BUILTINS[kind](value)

@@ -51,6 +51,7 @@ from ddp_eval.state._values import (
     exact_dtype,
     get_value,
     is_array,
+    is_metric_object,
     is_mutable,
     nbytes,
     numpy,
@@ -479,7 +480,7 @@ def is_plain_object(value: Any) -> bool:
     own = getattr(value, "__dict__", None)
     return (isinstance(own, dict) and not isinstance(value, _CONTAINERS) and not callable(value)
             and not isinstance(value, (type, torch.nn.Module))
-            and not sb_compat.holds_scratch_state(value) and not _is_metric_object(value)
+            and not sb_compat.holds_scratch_state(value) and not is_metric_object(value)
             and not any(cls.__module__.split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__)
             and all(cls in _DICT_ONLY or cls.__dictoffset__ or cls.__dict__.get("__slots__") == ()
                     for cls in type(value).__mro__))
@@ -496,10 +497,6 @@ _FRAMEWORKS = ("torch", "numpy", "speechbrain", "logging", "io", "_io", "threadi
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque, bytearray, str, bytes, int, float, complex)
-
-
-def _is_metric_object(value: Any) -> bool:
-    return any(cls.__name__ in ("MetricStats", "MultiMetricStats", "AccuracyStats") for cls in type(value).__mro__)
 
 
 class SetWatch(Watch):

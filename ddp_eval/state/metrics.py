@@ -5,13 +5,22 @@ one entry per utterance), fields that hold a fixed list of growing lists
 (``BLEUStats.targets``, one list per reference) and its numeric fields
 (``AccuracyStats.correct``, ``total``); metric objects it holds
 (``MultiMetricStats.metrics``, ``WeightedErrorRateStats.base_stats``, a
-``DWER``'s ``wer_computer``) are followed. During a sharded stage a
-:class:`MetricRecorder` notes after every batch which list fields grew and to
-what length (nothing is copied); each rank then sends the entries it
+``DWER``'s ``wer_computer``) are followed.
+
+The fields of a metric object held at stage start, its lists included, are
+watched and merged by the attribute engine (:func:`field_targets`): recording
+copies see a sort, an insert or a read that steers an append, and the lists are
+checked by value at stage end. What this module records itself is what the
+attribute engine cannot watch from stage start: the lists of metric objects made
+during the stage (their recording copies come from the ``defaultdict``'s
+factory, :class:`ddp_eval.state._probes.Factory`) and the nested lists SpeechBrain
+declares. After every batch a :class:`MetricRecorder` notes which of those grew
+and to what length (nothing is copied); each rank then sends the entries it
 appended, cut per batch and tagged with the batch's global position, and
 :func:`ddp_eval.state.metric_merge.merge_metric_stats` puts them back in global
-batch order: ``summarize()`` and ``write_stats()`` give single-process results
-bit for bit. Callables (a ``MetricStats``'s metric, a closure) never travel.
+batch order; entries later reordered, removed or replaced are named, never
+merged. ``summarize()`` and ``write_stats()`` give single-process results bit for
+bit. Callables (a ``MetricStats``'s metric, a closure) never travel.
 
 Metric objects may be created during the stage, as a ``defaultdict`` of
 ``ErrorRateStats`` filled per decoding method does: every rank then holds
@@ -23,8 +32,8 @@ Example
 >>> class Holder:
 ...     pass
 >>> h = Holder()
->>> h.err = MetricStats(metric=lambda x: x)
 >>> recorder = MetricRecorder(MetricFinder(), h)
+>>> h.err = MetricStats(metric=lambda x: x)  # made by a batch
 >>> h.err.ids.extend(["a", "b"]); h.err.scores.extend([1.0, 2.0])
 >>> objects = recorder.after_batch(h)
 >>> state = recorder.finish(h, positions=[3])
@@ -36,6 +45,7 @@ import array
 import functools
 import itertools
 import math
+import operator
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -47,12 +57,14 @@ from ddp_eval.errors import ConfigError
 from ddp_eval.state._explain import Fingerprint, unexplained
 from ddp_eval.state._order import growth_since
 from ddp_eval.state._probes import plain
+from ddp_eval.state._recording import is_recording, unmergeable_operations
 from ddp_eval.state._values import is_number
 from ddp_eval.state.metric_merge import merge_metric_stats  # noqa: F401 - also public here
 
 METRIC_TYPES = (MetricStats, MultiMetricStats, AccuracyStats)
 
 Snapshot = Dict[str, Dict[str, Any]]  # path -> field -> list length or number
+WATCH_FLAT_LISTS = True  # flat lists of objects held at stage start on the attribute engine (tests switch it off)
 
 
 def find_metric_objects(owner: Any, include: Optional[Sequence[str]] = None,
@@ -228,18 +240,20 @@ def _merged_elsewhere(value: Any) -> bool:
     return isinstance(value, dict) and any(isinstance(v, METRIC_TYPES) for v in value.values())
 
 
-def field_targets(objects: Mapping[str, Any]) -> Dict[str, Tuple[Any, str]]:
-    """``{label: (metric object, field)}`` of the fields of the metric objects held
-    at stage start that are watched and merged as Brain attributes are (one
-    engine: dicts, tensors, arrays, sets, strings, numbers, lists of lists, any
-    kind): every field but flat lists (merged per batch by the recorder), the
-    nested lists SpeechBrain declares, metric objects it holds and callables."""
+def field_targets(objects: Mapping[str, Any], flat_lists: bool = False) -> Dict[str, Tuple[Any, str]]:
+    """``{label: (metric object, field)}`` of the fields of metric objects that are
+    watched and merged as Brain attributes are (one engine: lists, dicts, tensors,
+    arrays, sets, strings, numbers, any kind): every field but the nested lists
+    SpeechBrain declares, metric objects it holds and callables; flat lists (ids,
+    scores) only with ``flat_lists`` (objects held at stage start: their recording
+    copies see a sort, an insert or a read that steers an append; those of objects
+    made during the stage are cut per batch by :class:`MetricRecorder`)."""
     targets = {}
     for path, sub in all_flat(objects):
         nested = sb_compat.nested_list_fields(sub)
         for name, value in vars(sub).items():
             flat = isinstance(value, list) and not (value and all(isinstance(x, list) for x in value))
-            if flat or name in nested or name == "summary" or _merged_elsewhere(value) or (
+            if (flat and not flat_lists) or name in nested or name == "summary" or _merged_elsewhere(value) or (
                     isinstance(sub, MultiMetricStats) and name == "metrics"):  # its metric objects, made per key
                 continue
             if _is_setting(value):  # a setting (a flag, a token): compared at stage end
@@ -282,7 +296,7 @@ class MetricRecorder:
     def __init__(self, finder: MetricFinder, owner: Any) -> None:
         self.finder = finder
         self.objects = finder.find(owner)
-        self.fields = field_targets(self.objects)  # watched by the attribute tracker
+        self.fields = field_targets(self.objects, flat_lists=WATCH_FLAT_LISTS)  # watched by the attribute tracker
         self.slotted: Dict[str, set] = {}
         for label, (_, name) in self.fields.items():
             self.slotted.setdefault(label[: -len(name) - 1], set()).add(name)
@@ -294,6 +308,7 @@ class MetricRecorder:
         self._piece_from, self._piece_numbers = 0, self.start
         self._last: Dict[Tuple[str, str], int] = {}
         self._changes: Dict[Tuple[str, str], array.array] = {}  # batch, length, batch, length, ...
+        self._appended: Dict[Tuple[str, str], list] = {}  # what batches appended, read right after each
         self.first_seen: Dict[str, int] = {}  # path -> batch, of objects created during the stage
         self.baselines: Snapshot = {}  # numbers of a fresh object, of objects created during the stage
         self.shrunk: Dict[str, str] = {}  # path.field -> what happened
@@ -332,6 +347,7 @@ class MetricRecorder:
                         self.shrunk[f"{path}.{name}"] = f"entries were removed ({before} -> {len(value)})"
                     elif len(value) > before:
                         self._changes.setdefault(key, array.array("q")).extend((batch, len(value)))
+                        self._appended.setdefault(key, []).extend(value[before:])  # by reference, checked at the end
                         self._last[key] = len(value)
                         grew = True
             if grew and path in self.start:  # existed at stage start, for the main-process-only check
@@ -361,13 +377,26 @@ class MetricRecorder:
         found = {}
         flat = dict(all_flat(self.objects))
         for (path, name), kept in self.kept.items():
-            outer, _, index = name.partition("[")
-            value = getattr(flat.get(path), outer, None)
-            if index and isinstance(value, list):  # an inner list of a nested field (BLEUStats.targets[0])
-                value = value[int(index[:-1])] if int(index[:-1]) < len(value) else None
+            value = _field(flat.get(path), name)
             if isinstance(value, list) and unexplained(kept, value[: self.start[path].get(name, 0)]):
                 found[f"{path}.{name}"] = ("entries it held at stage start were changed in place; a metric "
                                            "object's list fields are merged as lists that grow")
+        for path in self.first_seen:  # lists of objects a defaultdict made: their recording copies
+            for name, value in vars(flat.get(path, object())).items():
+                why = unmergeable_operations(value) if is_recording(value) else None
+                if why is not None:
+                    found[f"{path}.{name}"] = why
+        for (path, name), appended in self._appended.items():
+            value = _field(flat.get(path), name)
+            if f"{path}.{name}" in found:
+                continue
+            begin = self.start.get(path, {}).get(name, 0)
+            if isinstance(value, list) and (len(value) != begin + len(appended) or any(
+                    map(operator.is_not, itertools.islice(value, begin, None), appended))):
+                found[f"{path}.{name}"] = ("entries batches appended were later reordered, removed or replaced "
+                                           "(a sort, an insert, a cut), which ddp_eval cannot replay in one "
+                                           "process's order: create the metric object in on_stage_start, or "
+                                           "sort and cut its lists in on_stage_end")
         for (path, name), start in self.unmerged.items():
             if path in flat and unexplained(start, getattr(flat[path], name, None)):
                 found[f"{path}.{name}"] = (f"a {type(getattr(flat[path], name, None)).__name__} field of a metric "
@@ -414,6 +443,15 @@ class MetricRecorder:
                     numbers[name] = value - before.get(name, 0)
             state[path] = {"lists": lists, "numbers": numbers, "nested": nested}
         return state
+
+
+def _field(sub: Any, name: str) -> Any:
+    """A list field of a metric object by its recorder name (``targets[0]``: an inner list)."""
+    outer, _, index = name.partition("[")
+    value = getattr(sub, outer, None)
+    if index and isinstance(value, list):  # an inner list of a nested field (BLEUStats.targets[0])
+        value = value[int(index[:-1])] if int(index[:-1]) < len(value) else None
+    return value
 
 
 def fresh_numbers(obj: Any) -> Dict[str, Any]:

@@ -1,0 +1,116 @@
+"""Issue 37: the recipe never sees a stand-in. During a batch a watched value may be a
+probe or a recording copy; each behaves as the plain value does under pickle,
+``copy.copy``/``copy.deepcopy``, ``torch.save`` then ``torch.load(weights_only=True)``,
+``yaml.safe_dump``, ``yaml.dump`` and ``json.dumps``: the same result, of the plain
+type, or the same exception. After the stage every value is of its own type again.
+Compared with one process running the same batches on plain values."""
+
+import collections
+import copy
+import io
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from speechbrain.utils.metric_stats import ErrorRateStats
+
+from ddp_eval.config import DDPEvalConfig
+from ddp_eval.state.bookkeeping import simulate
+
+
+class Brain:
+    def __init__(self):
+        self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", "seen"})
+        self.n, self.x, self.text, self.blob = 0, 0.0, "", b""
+        self.items, self.empty, self.table, self.labels = [0.5], [], {"a": 1}, {1}
+        self.recent, self.counts, self.ordered = collections.deque([1], maxlen=3), collections.Counter(a=1), \
+            collections.OrderedDict(a=1)
+        self.per = collections.defaultdict(int, a=1)
+        self.acc, self.arr, self.bytes_seen = torch.zeros(3), np.zeros(3), bytearray(b"a")
+        self.wer = ErrorRateStats()  # a metric object: its lists are recording copies
+        self.seen = []  # what each batch saw: not watched
+
+
+def _torch_round_trip(value):
+    buffer = io.BytesIO()
+    torch.save({"v": value}, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)["v"]
+
+
+SERIALISERS = {
+    "pickle": lambda v: pickle.loads(pickle.dumps(v)),
+    "copy": copy.copy,
+    "deepcopy": copy.deepcopy,
+    "torch.save/load(weights_only)": _torch_round_trip,
+    "yaml.safe_dump": lambda v: yaml.safe_dump({"v": v}),
+    "yaml.dump then load": lambda v: yaml.unsafe_load(yaml.dump({"v": v}))["v"],  # a tensor's text differs by run
+    "json.dumps": json.dumps,
+}
+WATCHED = [name for name in vars(Brain()) if name not in ("_ddp_brain_attributes", "seen")]
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(a, np.ndarray):
+        return type(a) is type(b) and bool((a == b).all())
+    if isinstance(a, ErrorRateStats):
+        return type(a) is type(b) and all(type(v) is type(vars(b)[k]) and v == vars(b)[k] for k, v in vars(a).items())
+    return type(a) is type(b) and a == b
+
+
+def _outcomes(brain):
+    """``{(attribute, serialiser): (type of the result, result) or the exception's type}``."""
+    found = {}
+    for name in WATCHED:
+        for label, serialise in SERIALISERS.items():
+            try:
+                result = serialise(getattr(brain, name))
+                found[name, label] = (type(result), copy.deepcopy(result))  # copy.copy of a tensor aliases it
+            except Exception as error:  # the outcome compared with one process
+                found[name, label] = type(error)
+    return found
+
+
+def batch(brain, b):
+    """Changes what merges, then serialises every value (a read before an append would steer it: named)."""
+    brain.n += 1
+    brain.x += 0.5
+    brain.text += f"{b};"
+    brain.items.append(b)
+    brain.table[f"k{b}"] = b
+    brain.per[f"k{b % 2}"] += 1
+    brain.acc += 1
+    brain.wer.append([f"u{b}"], [["a", "b"]], [["a", "c"]])
+    brain.seen.append({"outcomes": _outcomes(brain),
+                       "kinds": {name: isinstance(getattr(brain, name), type(getattr(Brain(), name)))
+                                 for name in WATCHED}})
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2]], [[0, 2], [1]]], ids=["one process", "2 ranks"])
+def test_stand_ins_serialise_as_the_plain_values_during_a_batch_and_are_plain_after(layout):
+    plain = Brain()
+    for b in range(3):
+        batch(plain, b)
+    brains, records, _ = simulate(layout, Brain, batch, DDPEvalConfig())
+    assert not any(r.report["unmergeable"] for r in records)
+    for brain, positions in zip(brains, layout):
+        alone = Brain()  # the same batches on plain values: what this rank holds during each
+        for b in positions:
+            batch(alone, b)
+        for seen, want in zip(brain.seen, alone.seen):
+            assert all(seen["kinds"].values()), seen["kinds"]  # an instance of the plain type
+            for key, outcome in want["outcomes"].items():
+                got = seen["outcomes"][key]
+                if isinstance(outcome, type):
+                    assert got is outcome, (key, got, outcome)
+                else:
+                    assert not isinstance(got, type), (key, got, outcome)
+                    assert got[0] is outcome[0] and _same(got[1], outcome[1]), (key, got, outcome)
+        for name in WATCHED:  # after the stage: the plain type, and one process's value
+            assert type(getattr(brain, name)) is type(getattr(plain, name)), name
+            assert _same(getattr(brain, name), getattr(plain, name)) or name in ("acc", "arr"), name
+        assert torch.equal(brain.acc, plain.acc) and type(brain.wer.ids) is list
