@@ -23,6 +23,7 @@ rejects (``TypeError``) tries the next shape; a call that fails on the value
 
 import collections
 import dataclasses
+import io
 import types
 
 import numpy as np
@@ -117,6 +118,8 @@ class Brain:
         self.tally, self.ns = Tally(), types.SimpleNamespace(n=0, t=0.0)
         self.lazy = collections.defaultdict(LazyStats)
         self.it, self.last_item = iter(range(1000)), None
+        self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
+        self.log, self.blob_log = io.StringIO(), io.BytesIO()
         self.m, self.hardest, self.newest = MetricStats(metric=_scores), KeepsHardest(), NewestFirst()
         self.made_hardest = collections.defaultdict(KeepsHardest)
         self.made_newest = collections.defaultdict(NewestFirst)
@@ -143,7 +146,8 @@ def _arguments(kind, b):
 def _call_method(kind, name, field=None):
     def run(brain, b):
         target = getattr(brain, _attribute(kind)) if field is None else getattr(brain.m, field)
-        for args in _arguments(kind, b):
+        # x *= n with n a value (97 for a bytearray) three times a batch would grow it past any memory
+        for args in ([(2,)] if name == "__imul__" else _arguments(kind, b)):
             try:
                 getattr(target, name)(*args)
                 return
@@ -250,6 +254,22 @@ def _fixed():
         "if not list: append": lambda h, b: h.c_list.append(b) if not h.c_list else None,
         "append(list[-1] + 1)": lambda h, b: h.c_list.append(h.c_list[-1] + 1 if len(h.c_list) else b),
         "for x in list: ... append": lambda h, b: h.c_list.append(sum(1 for x in h.c_list if x == b % 2)),
+        "if len(dict) < k: d[new] = b": lambda h, b: h.c_dict.__setitem__(f"n{b}", b) if len(h.c_dict) < 5 else None,
+        "d[k] = sum(d.values())": lambda h, b: h.c_dict.__setitem__("total", sum(v for v in h.c_dict.values()
+                                                                                 if isinstance(v, int))),
+        "if len(set) < k: add": lambda h, b: h.c_set.add(10 + b) if len(h.c_set) < 5 else None,
+        "if k not in d: d[k] = b": lambda h, b: h.c_dict.__setitem__(f"f{b % 2}", b) if f"f{b % 2}" not in h.c_dict
+        else None,
+        "if not first: first.append": lambda h, b: h.first.append(b) if not h.first else None,
+        "if len(first) < 2: first.append": lambda h, b: h.first.append(b) if len(h.first) < 2 else None,
+        "if x is None: x = []; x.append": lambda h, b: (setattr(h, "made_over_none", []) if h.made_over_none is None
+                                                        else None, h.made_over_none.append(b)),
+        "stream.write": lambda h, b: h.log.write(f"u{b} {value(b)}\n"),
+        "stream print(file=)": lambda h, b: print(f"u{b}", file=h.log),
+        "stream bytes write": lambda h, b: h.blob_log.write(bytes([65 + b])),
+        "stream: if tell() < k: write": lambda h, b: h.log.write(f"u{b}\n") if h.log.tell() < 8 else None,
+        "stream: write(len(getvalue()))": lambda h, b: h.log.write(f"{len(h.log.getvalue())};"),
+        "stream seek(0) then write": lambda h, b: (h.log.seek(0), h.log.write("x")),
         "sum(accumulated)": lambda h, b: setattr(h, "derived", sum(h.c_counter.values())),
         "from a number": lambda h, b: setattr(h, "derived", h.n * 2),
         "get(k, 0) + 1": lambda h, b: h.c_dict.__setitem__(f"g{b % 2}", h.c_dict.get(f"g{b % 2}", 0) + 1),

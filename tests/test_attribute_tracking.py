@@ -92,7 +92,8 @@ def test_every_kind_of_change_merges_to_one_process(layout):
         assert holder.per_class.default_factory is int  # nor a wrapped factory
     if len(layout) == 3 and all(len(p) == 1 for p in layout):  # cannot tell = from += for a new dict entry
         assert "stats['VALID']" in result.assumed
-        assert "last_ids" not in result.assumed  # None at stage start, bound once per rank: an assignment
+        # None at stage start, bound once per rank: an assignment or a lazy accumulator (issue 37): named as assumed
+        assert "last_ids" in result.assumed
 
 
 def test_binding_the_object_already_there_is_not_seen():
@@ -401,22 +402,46 @@ def test_state_the_engine_cannot_read_is_named_when_it_changes():
         assert set(record.report["unmergeable"]) == {"recent", "slotted", "rng", "it"}, record.report["unmergeable"]
 
 
+@pytest.mark.parametrize("layout", [[[0, 2, 4], [1, 3]], [[0], [1, 2], [3, 4]], [[], [0, 1, 2, 3, 4]]],
+                         ids=["2 ranks", "3 ranks", "one idle"])
+def test_streams_written_per_batch_merge_in_global_order(layout):
+    """Issue 37: an ``io.StringIO`` log and an ``io.BytesIO`` batches write to at their
+    end are concatenated in global batch order, as ``s += line`` is: every rank holds
+    one process's text; the read hooks are gone after the stage."""
+    import io
+
+    def make():
+        blob = io.BytesIO(b"header;")
+        blob.seek(0, io.SEEK_END)
+        return types.SimpleNamespace(log=io.StringIO(), blob=blob)
+
+    def batch(h, b):
+        h.log.write(f"utt{b} \u00e9t\u00e9 {b * 0.1}\n")
+        print(f"utt{b}", file=h.log)
+        h.blob.write(bytes([65 + b]))
+
+    single, holders, _ = simulate(make, batch, layout)
+    for holder in holders:
+        assert holder.log.getvalue() == single.log.getvalue() and holder.blob.getvalue() == single.blob.getvalue()
+        assert holder.log.tell() == single.log.tell() and vars(holder.log) == {}
+
+
 def test_streams_and_generators_batches_touch_are_named():
-    """Issue 37: objects that cannot be pickled, written or advanced by batches (an
-    ``io.StringIO`` log, an ``io.BytesIO``, a generator made in ``on_stage_start``,
-    which is no recording copy's), are named with what to do, at 2 ranks; the same
-    objects left alone name nothing. A StringIO's ``__dict__`` is empty: it was
-    watched as a plain object and never named."""
+    """Issue 37: a stream a batch reads back and writes to (``tell()``, ``getvalue()``),
+    one written before its end, and a generator batches advance (no recording copy's)
+    are named with what to do, at 2 ranks; the same objects left alone name nothing."""
     import io
 
     def make():
         return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
-                                     log=io.StringIO(), blob=io.BytesIO(), quiet=io.StringIO("kept\n"),
-                                     idle_gen=(i for i in range(5)))
+                                     numbered=io.StringIO(), first=io.StringIO(), head=io.StringIO("kept\n"),
+                                     quiet=io.StringIO("kept\n"), idle_gen=(i for i in range(5)))
 
     def batch(h, b):
-        h.log.write(f"utt{b} yes\n")
-        h.blob.write(bytes([b]))
+        h.numbered.write(f"{len(h.numbered.getvalue().splitlines())} utt{b}\n")  # a read steers the write
+        if h.first.tell() < 10:
+            h.first.write(f"utt{b}\n")
+        h.head.write(f"{b}")  # at position 0: over what it held
         if b == 0:  # bound and started by a batch, advanced again by a later one on the same rank: its place in
             h.gen = (i for i in range(100))  # the code is the same yield, only its locals tell
             next(h.gen)
@@ -425,6 +450,7 @@ def test_streams_and_generators_batches_touch_are_named():
 
     _, records, _ = simulate_stage([[0, 2], [1, 3]], make, batch, DDPEvalConfig())
     named = records[0].report["unmergeable"]
-    assert {"log", "blob", "gen"} <= set(named) and not {"quiet", "idle_gen"} & set(named), named
-    assert "append the lines to a list" in named["log"] and "stage_output" in named["log"]
-    assert set(records[1].report["unmergeable"]) >= {"log", "blob"}
+    assert {"numbered", "first", "head", "gen"} <= set(named) and not {"quiet", "idle_gen"} & set(named), named
+    assert "read it back" in named["numbered"] and "read it back" in named["first"]
+    assert "append the lines to a list" in named["head"] and "stage_output" in named["head"]
+    assert set(records[1].report["unmergeable"]) >= {"numbered", "first", "head"}

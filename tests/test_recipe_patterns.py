@@ -98,7 +98,8 @@ def test_ordinary_code_outside_the_recipe_patterns_is_exact(ranks, references):
     """Issue 26: a pre-sized list changed in place, a MetricStats subclass with a dict of
     lists and a nested list, values rebuilt from their previous one (tensors, arrays,
     lists), an attribute set to None and assigned per batch: one process's values on
-    every rank (exact_patterns compares every field), and nothing named."""
+    every rank (exact_patterns compares every field); named only what cannot be told
+    (issue 37): a value bound once over None by each rank's one batch."""
     world_size, outs = ranks
     want = evaluation_records(references["ordinary_code"])
     assert want[-1]["hist"] != [0] * len(want[-1]["hist"])  # the patterns ran
@@ -107,10 +108,13 @@ def test_ordinary_code_outside_the_recipe_patterns_is_exact(ranks, references):
             assert got["spk"] == expected["spk"] and got["targets"] == expected["targets"]
             assert got["all_preds"] == expected["all_preds"] and got["hist"] == expected["hist"]
             assert got["logit_sum"] == expected["logit_sum"]  # x = x + y replayed in order: bit for bit
-            assert got["last_loss"] == expected["last_loss"]  # bound over None: the last batch's, not named
+            assert got["last_loss"] == expected["last_loss"]  # bound over None: the last batch's
             # ids = ids + [...]: also where a rank's one TEST batch extends the empty list (its probe)
             assert got["order"] == expected["order"]
-        assert out["ordinary_code"]["warnings"] == []
+        # TEST has 2 batches: each rank that evaluates one binds last_loss once over None, which cannot be told
+        # from a lazy accumulator (if x is None: x = 0.0; x += ...): the last batch's value, named as assumed
+        assert only_bound_once_over_none(out["ordinary_code"]["warnings"], "last_loss"), out["ordinary_code"]
+    assert outs[0]["ordinary_code"]["warnings"]  # rank 0 warns
 
 
 def test_per_batch_file_through_stage_output_equals_one_process(ranks, references):
@@ -208,11 +212,20 @@ def test_an_ordinary_recipe_warns_about_nothing(tmp_path):
     assert results(run_ranks(patterns.ordinary_recipe, 3, str(tmp_path), timeout=200)) == [[], [], []]
 
 
+def only_bound_once_over_none(warnings, label):
+    """Whether ``warnings`` are at most the one issue 37 asks for where every rank evaluated
+    one TEST batch: ``label``, bound once over None by each, taken as set (=) and named."""
+    return len(warnings) <= 1 and all("sharded TEST" in w and f"'{label}': it did not exist (or held None)" in w
+                                      for w in warnings)
+
+
 def test_idioms_name_nothing(ranks):
-    """Issue 32: the idioms recipes write merge exactly (test_exact_patterns...) and warn about nothing."""
+    """Issue 32: the idioms recipes write merge exactly (test_exact_patterns...) and warn about nothing
+    but ``last_ids = list(batch.id)`` over None at TEST, 2 batches: one per rank cannot tell = from a lazy
+    accumulator (issue 37)."""
     world_size, outs = ranks
     for out in outs:
-        assert out["idioms"]["warnings"] == [], out["idioms"]["warnings"]
+        assert only_bound_once_over_none(out["idioms"]["warnings"], "last_ids"), out["idioms"]["warnings"]
 
 
 def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):

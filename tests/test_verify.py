@@ -58,6 +58,38 @@ def test_first_difference_names_the_path_and_both_values():
     assert first_difference(float("nan"), float("nan")) is None
 
 
+class Slotted:
+    __slots__ = ("n",)
+
+    def __init__(self, n):
+        self.n = n
+
+
+@pytest.mark.fast
+def test_first_difference_compares_what_the_engine_reads_by_digest_and_reports_what_it_cannot():
+    """Issue 37: a stream, a random generator and a class with ``__slots__`` keep no state
+    in ``__dict__``: they are compared by what they hold and pickle to; a generator
+    cannot be compared and is reported, never taken as equal."""
+    import io
+    import random
+
+    log, other = io.StringIO(), io.StringIO()
+    log.write("utt1 yes\n")
+    other.write("utt1 no\n")
+    assert first_difference(log, other, "log") == ("log", "'utt1 yes\\n'", "'utt1 no\\n'")
+    same = io.StringIO()
+    same.write("utt1 yes\n")
+    assert first_difference(log, same, "log") is None
+    drawn = random.Random(0)
+    drawn.random()
+    assert first_difference(drawn, random.Random(0), "rng") is not None
+    assert first_difference(Slotted(1), Slotted(2), "s") is not None
+    assert first_difference(Slotted(1), Slotted(1)) is None
+    uncompared = []
+    assert first_difference((i for i in range(3)), (i for i in range(3)), "gen", uncompared) is None
+    assert uncompared and uncompared[0][0] == "gen" and "cannot be compared" in uncompared[0][1]
+
+
 def test_verify_does_not_change_training(tmp_path):
     """A scheduler stepped in compute_objectives (state outside the Brain) is put back
     after the reference pass: every stage's learning rate and scheduler count, on every

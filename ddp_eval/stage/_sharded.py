@@ -231,8 +231,8 @@ class ShardedStage:
                 shutil.rmtree(self.scratch, ignore_errors=True)
                 self.scratch = None
             merged = {n: getattr(brain, n, None) for n in reference}
-            count, differences = compare(loss, reference_loss, merged, reference)
-            return count, differences, changed, self.verifier.uncopied
+            count, differences, uncompared = compare(loss, reference_loss, merged, reference)
+            return count, differences, changed, {**self.verifier.uncopied, **uncompared}
 
         per_rank = dist.decide(f"{name} verify", local)
         report_verification(name, per_rank, self.config.verify == "strict")

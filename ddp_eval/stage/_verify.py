@@ -20,6 +20,8 @@ True
 """
 
 import copy
+import io
+import pickle
 import random
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
@@ -50,9 +52,17 @@ def _short(value: Any) -> str:
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
-def first_difference(got: Any, want: Any, path: str = "") -> Optional[Tuple[str, str, str]]:
+def first_difference(got: Any, want: Any, path: str = "", uncompared: Optional[List[Tuple[str, str]]] = None
+                     ) -> Optional[Tuple[str, str, str]]:
     """``(path, got, want)`` of the first place two values differ (bit for bit for
-    floats and tensors), or None if they are equal."""
+    floats and tensors), or None if they are equal. Objects whose state the
+    engine reads by digest rather than field by field (an in-memory stream, a
+    random generator, a deque, a class with ``__slots__``) are compared by what
+    they hold and pickle to; one that cannot be compared (a generator, a file) is
+    added to ``uncompared`` as ``(path, why)``, never taken as equal silently."""
+    def inner(a: Any, b: Any, where: str) -> Optional[Tuple[str, str, str]]:
+        return first_difference(a, b, where, uncompared)
+
     if type(got) is not type(want):
         return path, f"{type(got).__name__} {_short(got)}", f"{type(want).__name__} {_short(want)}"
     if isinstance(got, torch.Tensor):
@@ -68,7 +78,7 @@ def first_difference(got: Any, want: Any, path: str = "") -> Optional[Tuple[str,
         if len(got) != len(want):
             return path, f"{len(got)} entries: {_short(got)}", f"{len(want)} entries: {_short(want)}"
         for i, (a, b) in enumerate(zip(got, want)):
-            found = first_difference(a, b, f"{path}[{i}]")
+            found = inner(a, b, f"{path}[{i}]")
             if found:
                 return found
         return None
@@ -76,7 +86,7 @@ def first_difference(got: Any, want: Any, path: str = "") -> Optional[Tuple[str,
         if list(got) != list(want):
             return f"{path} keys", _short(list(got)), _short(list(want))
         for key in got:
-            found = first_difference(got[key], want[key], f"{path}[{key!r}]")
+            found = inner(got[key], want[key], f"{path}[{key!r}]")
             if found:
                 return found
         return None
@@ -86,11 +96,24 @@ def first_difference(got: Any, want: Any, path: str = "") -> Optional[Tuple[str,
         return None if got == want else (path, _short(got), _short(want))
     if callable(got) or isinstance(got, torch.nn.Module):
         return None  # code and models are not what a stage accumulates
+    if isinstance(got, (io.StringIO, io.BytesIO)):  # its __dict__ shows none of its state
+        return None if (got.getvalue(), got.tell()) == (want.getvalue(), want.tell()) else (
+            path, _short(got.getvalue()), _short(want.getvalue()))
     own_got, own_want = getattr(got, "__dict__", None), getattr(want, "__dict__", None)
-    if own_got is not None:
+    opaque = own_got is None or type(got).__reduce_ex__ is not object.__reduce_ex__ or (
+        type(got).__reduce__ is not object.__reduce__)  # state kept in C or __slots__, as the engine reads it
+    if not opaque:
         fields = {k: v for k, v in own_got.items() if k != "summary"}
-        return first_difference(fields, {k: v for k, v in own_want.items() if k != "summary"}, path)
-    return None if got == want else (path, _short(got), _short(want))
+        return inner(fields, {k: v for k, v in own_want.items() if k != "summary"}, path)
+    if type(got).__eq__ is not object.__eq__:  # equality by value (a deque, a Counter)
+        return None if got == want else (path, _short(got), _short(want))
+    try:
+        same = pickle.dumps(got) == pickle.dumps(want)
+    except Exception as exc:  # a generator, a file, a lock: nothing to read its state by
+        if uncompared is not None:
+            uncompared.append((path, f"a {type(got).__name__}, which cannot be compared ({type(exc).__name__})"))
+        return None
+    return None if same else (path, _short(got), _short(want))
 
 
 class StageVerifier:
@@ -220,23 +243,23 @@ class OutsideState:
 
 
 def compare(loss: float, reference_loss: float, merged: Dict[str, Any], reference: Dict[str, Any]
-            ) -> Tuple[int, List[Tuple[str, str, str]]]:
-    """``(number of values compared, differences)``: the loss (to 1e-9 relative: the
-    merged loss is one process's bit for bit, but a re-evaluation on a GPU need not
-    repeat its forwards' last bits), every
+            ) -> Tuple[int, List[Tuple[str, str, str]], Dict[str, str]]:
+    """``(number of values compared, differences, {path: why not compared})``: the loss
+    (to 1e-9 relative: the merged loss is one process's bit for bit, but a
+    re-evaluation on a GPU need not repeat its forwards' last bits), every
     attribute, and each metric object's ``summarize()``."""
-    differences, count = [], 1
+    differences, count, uncompared = [], 1, []
     if not (abs(loss - reference_loss) <= 1e-9 * max(abs(loss), abs(reference_loss)) or loss == reference_loss):
         differences.append(("stage_loss", repr(loss), repr(reference_loss)))
     for name, want in reference.items():
         count += 1
-        found = first_difference(merged.get(name), want, name)
+        found = first_difference(merged.get(name), want, name, uncompared)
         if found is None and hasattr(want, "summarize") and callable(want.summarize):
             count += 1
             found = first_difference(_summary(merged.get(name)), _summary(want), f"{name}.summarize()")
         if found is not None:
             differences.append(found)
-    return count, differences
+    return count, differences, dict(uncompared)
 
 
 def _summary(metric: Any) -> Any:

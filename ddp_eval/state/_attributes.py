@@ -67,10 +67,18 @@ from ddp_eval.state._rebuilt import (
     read_through_data,
     shares_entries,
 )
-from ddp_eval.state._recording import REMEDY, RecordingIterator, recording_copy, restore, unmergeable_operations
+from ddp_eval.state._recording import (
+    REMEDY,
+    RecordingIterator,
+    recording_copy,
+    restore,
+    steered,
+    unmergeable_operations,
+)
 from ddp_eval.state._values import (
     ABSENT,
     ELSEWHERE,
+    OVER_NONE_ONCE,
     Budget,
     Change,
     Kind,
@@ -89,6 +97,7 @@ from ddp_eval.state._watches import (
     ListWatch,
     ObjectWatch,
     SetWatch,
+    StreamWatch,
     TensorWatch,
     make_watch,
 )
@@ -188,7 +197,7 @@ class Slot:
         """Whether it needs a look at every batch (a number with probes, a container,
         a tensor or an array); otherwise its identity tells whether a batch changed it."""
         return self.why is None and ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj)
-                                     or isinstance(self.watch, ObjectWatch)
+                                     or isinstance(self.watch, (ObjectWatch, StreamWatch))
                                      or (type(self.obj) is tuple and not self.obj))  # an empty tuple's probe
 
     def before_batch(self) -> None:
@@ -253,6 +262,12 @@ class Slot:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
         (``changed`` None: see the watch, or a new object bound)."""
         probe, self.rebuilt_probe = self.rebuilt_probe, None
+        growth = getattr(getattr(probe, "_ddp_record", None), "steered", None)
+        if growth is not None:  # an empty list read, then grown: this rank's entries kept, named
+            handed_back(probe, self.obj)
+            set_value(self.owner, self.name, value if value is not probe else self.obj)
+            self.fail(steered(list, growth))
+            return True, value
         writes = in_place_writes(probe)
         if writes:
             set_value(self.owner, self.name, value if value is not probe else self.obj)
@@ -457,7 +472,8 @@ class Slot:
         if kind is Kind.LAST:
             if piece and self.assigned_at < from_batch:
                 return None
-            return Change(kind, None, last, value)
+            once = self.created and self.start is None and self.assignments == 1  # x = [...] or x = []; x.append()
+            return Change(kind, OVER_NONE_ONCE if once else None, last, value)
         data = self.watch.state(positions, from_batch, piece)
         return None if data is None else Change(kind, data, last, value)
 
@@ -490,7 +506,7 @@ def _replay_is_cheap(value: Any, events: int) -> bool:
 
 _PROBED_CONTAINERS = {torch.Tensor, list, tuple} | ({numpy.ndarray} if numpy is not None else set())
 
-_WATCHES = {Kind.UNION: SetWatch, Kind.APPEND: ListWatch, Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch,
+_WATCHES = {Kind.UNION: SetWatch, Kind.APPEND: (ListWatch, StreamWatch), Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch,
             Kind.SUM: (TensorWatch, ArrayWatch), Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}
 
 
@@ -560,8 +576,11 @@ class AttributeTracker:
         for slot in self._busy:
             slot.before_batch()
         for recorded in _recording.READ:
-            recorded._read = False
+            recorded._read = recorded._whole = False
+        for recorded in _recording.INDEXED:
+            recorded._indexed = False
         _recording.READ.clear()
+        _recording.INDEXED.clear()
         BATCH_READS.clear()
         BATCH_SETS.clear()
         _recording.LISTENING = _recording.ENABLED
@@ -593,6 +612,7 @@ class AttributeTracker:
     def finish(self, positions: Sequence[int]) -> Tuple[Dict[str, Change], Dict[str, str]]:
         """``(changes, unmergeable)`` at stage end; ``positions`` are the global
         positions of this rank's batches, in order."""
+        self.stop_listening()  # the reads and writes from here on are ddp_eval's
         for slot in self.tracks.values():
             slot.finish(self.batches)
         positions = list(positions[: self.batches]) + [math.inf]

@@ -103,10 +103,11 @@ class _Record:
     (or its views) by ``+`` or ``-`` (``sums``) and in-place changes the merge
     cannot replay as increments (``writes``)."""
 
-    __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased")
+    __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered")
 
     def __init__(self, root: Any) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
+        self.steered = None  # an empty list's growing method called after a read of it
         self.read = False  # the value itself (not an entry of it) went into another computation
         self.aliased = False  # .data was read: a change through it moves no _version
 
@@ -333,16 +334,27 @@ _READS = ("__iter__", "__len__", "__bool__", "__getitem__", "__contains__", "__e
           "__gt__", "__ge__", "__radd__", "__mul__", "__rmul__", "__reversed__", "index", "count", "copy")
 
 
-def _changing(name: str):
+def _changing(name: str, grows: bool = False):
+    """A change of an empty list's probe: noted, but for what the merge replays
+    (``append``), which is noted only if it raises (``items[0] = x`` on a rank's
+    empty list; one process's may hold entries)."""
     def method(self, *args, **kwargs):
-        self._ddp_record.writes.append(f"{name}()")
-        return getattr(self._base, name)(self, *args, **kwargs)
+        if not grows:
+            self._ddp_record.writes.append(f"{name}()")
+        elif self._ddp_record.used and self._ddp_record.steered is None:
+            self._ddp_record.steered = name  # if not self.first: self.first.append(x)
+        try:
+            return getattr(self._base, name)(self, *args, **kwargs)
+        except Exception as error:
+            if grows and not isinstance(error, TypeError):
+                self._ddp_record.writes.append(f"{name}() (it raised {type(error).__name__})")
+            raise
     method.__name__ = name
     return method
 
 
 def _empty_probe_class(base: type) -> type:
-    namespace = {name: _changing(name) for name in changing_methods(base) if name not in GROWS[base]} \
+    namespace = {name: _changing(name, name in GROWS[base]) for name in changing_methods(base)} \
         if base in GROWS else {}
     namespace.update({name: _reading(name) for name in _READS if hasattr(base, name)})
     namespace.update(_base=base, __hash__=base.__hash__)

@@ -63,8 +63,10 @@ REMEDY = {
     collections.deque: "append to a list and keep its last entries in on_stage_end",
 }
 ENABLED = True  # the operations seen and the stage-end checks by value; tests switch them off to show they matter
+STEERABLE = True  # a container grown after a batch read it whole is named (tests switch it off)
 LISTENING = False  # while a batch runs: reads of recording copies are noted in READ
 READ: list = []  # the recording copies a batch read (each once)
+INDEXED: list = []  # the lists a batch read by index (each once)
 TYPES = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict, collections.defaultdict,
          bytearray)
 
@@ -94,11 +96,16 @@ def _noting(kind: type, name: str):
     def noted(self, *args, **kwargs):
         if self._depth == 0 and name not in self._grows and name not in self.ops:
             self.ops.append(name)  # each name once: a sort per batch keeps one entry, not one a batch
-        elif LISTENING and self._depth == 0 and self._read and self.steered is None and self._steerable:
-            self.steered = name  # a batch read the list's accumulated entries, then grew it
+        elif LISTENING and self._depth == 0 and self.steered is None and (self._whole or (
+                self._indexed and name != "__setitem__")):
+            self.steered = name  # a batch read the container's accumulated entries (or items[-1]), then grew it
         self._depth += 1
         try:
             return method(self, *args, **kwargs)
+        except Exception as error:  # on this rank's entries; with every rank's, in one process, it may not raise
+            if LISTENING and self._depth == 1 and self.raised is None and not isinstance(error, TypeError):
+                self.raised = f"{name}() raised {type(error).__name__}"
+            raise
         finally:
             self._depth -= 1
     noted.__name__ = name
@@ -110,7 +117,9 @@ class _Recording:
 
     _depth = 0
     _read = False  # read by the batch under way (see READ)
-    _steerable = False  # a list: what a batch appends after reading it may depend on the read
+    _whole = False  # ... as a whole (len, iteration, a comparison): what the batch adds after may depend on it
+    _indexed = False  # a list read by index (items[-1]): an append after it may depend on it, hist[i] += 1 not
+    raised = None  # a changing method that raised during a batch
     steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
 
@@ -194,16 +203,36 @@ _PLUMBING = frozenset({"__class__", "__init__", "__new__", "__getattribute__", "
                        "__copy__", "__deepcopy__", "fromkeys", "__alloc__"})
 
 
+# reads of one entry of a dict or a set, which the entry's own record follows (``if k not in d: d[k] = v``;
+# a set is merged as a union); in a list, ``x in items`` reads every entry
+_ENTRY_READS = frozenset({"__contains__"})
+
+
 def _reading(kind: type, name: str):
     method = getattr(kind, name)
+    whole = _builtin(kind) is list or name not in _ENTRY_READS
 
     def read(self, *args, **kwargs):
         if LISTENING and not self._read:  # a batch read what batches accumulate
             self._read = True
             READ.append(self)
+        if LISTENING and whole and STEERABLE:
+            self._whole = True
         return method(self, *args, **kwargs)
     read.__name__ = name
     return read
+
+
+def _indexing(kind: type):
+    method = kind.__getitem__
+
+    def indexed(self, index):
+        if LISTENING and STEERABLE and not self._indexed:  # not a read of the whole (hist[i] += 1): not in READ
+            self._indexed = True
+            INDEXED.append(self)
+        return method(self, index)
+    indexed.__name__ = "__getitem__"
+    return indexed
 
 
 def _recording_class(kind: type) -> type:
@@ -215,6 +244,8 @@ def _recording_class(kind: type) -> type:
                  and name not in changing and name not in _PLUMBING and name not in ("get", "setdefault",
                                                                                    "__getitem__", "__missing__")}
     namespace.update({name: _noting(kind, name) for name in changing})
+    if _builtin(kind) is list:
+        namespace["__getitem__"] = _indexing(kind)
     if _builtin(kind) is dict:
         namespace["setdefault"] = _handing_probe(namespace["setdefault"])
         namespace["get"] = _handing_probe(kind.get)
@@ -224,8 +255,7 @@ def _recording_class(kind: type) -> type:
     name = kind.__name__[:1].upper() + kind.__name__[1:]
     # between batches a copy is of the quiet class (the type's own C methods: ddp_eval's reads cost
     # nothing); while a batch runs, of the listening one (every method noted), see listen()
-    quiet = type("Recording" + name, (_Recording, kind), {"_kind": kind, "_grows": grows, "__module__": __name__,
-                                                          "_steerable": _builtin(kind) is list})
+    quiet = type("Recording" + name, (_Recording, kind), {"_kind": kind, "_grows": grows, "__module__": __name__})
     listening = type("Listening" + name, (quiet,), namespace)
     quiet._quiet = listening._quiet = quiet
     quiet._listening = listening._listening = listening
@@ -321,17 +351,27 @@ def is_recording(value: Any) -> bool:
     return isinstance(value, _Recording)
 
 
+def steered(kind: type, method: str) -> str:
+    """Why a container a batch grew after reading its accumulated entries is named."""
+    return (f"a batch read this {kind.__name__}'s accumulated entries (len, iteration, truthiness, a comparison"
+            f"{', in, an index' if _builtin(kind) is list else ''}) and then called {method}() on it: in one "
+            "process that read sees every earlier batch's entries, on a rank only its own batches', so what is "
+            "added may differ; keep every entry and select in on_stage_end (e.g. the first five there), or keep "
+            "the read out of the batch code")
+
+
 def unmergeable_operations(recorded: Any) -> Optional[str]:
     """Why the operations noted on ``recorded`` cannot be merged, and what to do; None if none were noted."""
     if isinstance(recorded, RecordingIterator):
         return ("batches consumed this iterator: in one process each batch reads the next item after every "
                 "earlier batch's, on a rank after its own batches' only; iterate in on_stage_end, or keep the "
                 "items in a list and index it by the batch") if recorded.consumed else None
+    if recorded.raised is not None and not recorded.ops:
+        return (f"during a batch {recorded.raised} on this {recorded._kind.__name__}: on a rank it holds only its "
+                "own batches' entries, in one process every rank's, where the call may succeed; change it only "
+                "in ways that cannot fail (append, d[k] = v), or in on_stage_end")
     if recorded.steered is not None and not recorded.ops:
-        return (f"a batch read this list's accumulated entries (len, in, iteration, truthiness or a comparison) "
-                f"and then called {recorded.steered}() on it: in one process that read sees every earlier batch's "
-                "entries, on a rank only its own batches', so what is added may differ; keep every entry and "
-                "select in on_stage_end (e.g. the first five there), or keep the read out of the batch code")
+        return steered(recorded._kind, recorded.steered)
     if not recorded.ops:
         return None
     kind = _builtin(recorded._kind)

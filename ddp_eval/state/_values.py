@@ -189,6 +189,10 @@ def is_metric_object(value: Any) -> bool:
     return any(cls.__name__ in ("MetricStats", "MultiMetricStats", "AccuracyStats") for cls in type(value).__mro__)
 
 
+# a LAST change of a value bound over the None it held at stage start by one batch and unchanged since: each
+# batch set it, or the first made it and added to it (`if self.x is None: self.x = []`) cannot be told apart
+OVER_NONE_ONCE = "bound once over None"
+
 _BUILTINS = {kind.__name__: kind for kind in (int, float, str, bytes, list, tuple, dict)}
 
 

@@ -25,6 +25,7 @@ Example
 
 import array
 import collections
+import functools
 import io
 import itertools
 import logging
@@ -755,6 +756,104 @@ class ArrayWatch(Watch):
             set_value(self.slot.owner, self.slot.name, value.astype(self.spec[1], copy=False))
 
 
+# what reads a stream's accumulated contents or position (a batch that reads it back, then writes, is named)
+_STREAM_READS = ("getvalue", "getbuffer", "read", "read1", "readinto", "readinto1", "readline", "readlines", "tell",
+                 "seek", "truncate", "__getstate__")
+
+
+class StreamWatch(Watch):
+    """An ``io.StringIO`` or ``io.BytesIO`` that batches write to at its end (a log of
+    predictions): each batch's text, merged in global batch order as ``s += x`` is
+    (``APPEND`` of one piece per batch). During a batch its read methods are hooked
+    on the instance (``getvalue``, ``read``, ``tell``, ``seek``, ...; pickling it
+    leaves them out): a batch that reads it back and writes to it, a write before its
+    end or a change of what it held at stage start is named."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        kind = type(obj)
+        self.start = self.length = kind.tell(obj)
+        self.head = zlib.crc32(_as_bytes(kind.getvalue(obj)[: self.start]))  # what it held at stage start
+        self.pieces: List[tuple] = []  # (batch, position after it)
+        self.read = False  # a hooked read during the batch under way
+
+    def before_batch(self) -> None:
+        kind, own = type(self.obj), vars(self.obj)
+        for name in _STREAM_READS:
+            if hasattr(kind, name):
+                own[name] = functools.partial(self._reading, name, getattr(kind, name))
+
+    def _reading(self, name: str, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        self.read = True
+        result = method(self.obj, *args, **kwargs)
+        if name == "__getstate__" and isinstance(result, tuple) and isinstance(result[-1], dict):
+            result = result[:-1] + ({k: v for k, v in result[-1].items() if k not in _STREAM_READS} or None,)
+        return result
+
+    def release(self) -> None:
+        own = vars(self.obj)
+        for name in _STREAM_READS:
+            if isinstance(own.get(name), functools.partial):
+                del own[name]
+
+    def observe(self, batch: int, value: Any) -> bool:
+        self.release()
+        kind, read, self.read = type(self.obj), self.read, False
+        position = kind.tell(self.obj)
+        if position == self.length and not read:
+            return False
+        end = kind.seek(self.obj, 0, io.SEEK_END)
+        kind.seek(self.obj, position)
+        if position < self.length or end != position:
+            self.slot.fail("a batch moved back in it or wrote before its end, which ddp_eval cannot replay in one "
+                           "process's order; write only at its end, or write it in on_stage_end")
+        elif read:
+            self.slot.fail("a batch read it back (getvalue(), read(), tell() or seek()) and wrote to it: in one "
+                           "process that read sees every earlier batch's text, on a rank only its own batches'; "
+                           "keep what the batch needs in a list, or write the stream in on_stage_end")
+        else:
+            self.pieces.append((batch, position))
+            self.length, self.last_change = position, batch
+        return True
+
+    def kind(self) -> Optional[Kind]:
+        return Kind.APPEND if self.pieces and self.slot.why is None else None
+
+    def finish(self) -> None:
+        self.release()
+        kind = type(self.obj)
+        if self.slot.why is None and (kind.tell(self.obj) != self.length or zlib.crc32(_as_bytes(
+                kind.getvalue(self.obj)[: self.start])) != self.head):
+            self.slot.fail("what it held at stage start, or its position, changed outside a batch's writes at its "
+                           "end; write only at its end during the stage")
+
+    def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
+        value = type(self.obj).getvalue(self.obj)
+        bounds = [self.start] + [position for _, position in self.pieces]
+        chunks = [(positions[b], value[a:end]) for (b, end), a in zip(self.pieces, bounds) if b >= from_batch]
+        return ([p for p, _ in chunks], [1] * len(chunks), [text for _, text in chunks]) if chunks else None
+
+    def apply(self, kind: Kind, merged: Any, last_value: Callable[[], Any]) -> None:
+        stream, methods = self.obj, type(self.obj)
+        methods.seek(stream, self.start)
+        methods.truncate(stream)
+        methods.write(stream, ("" if isinstance(stream, io.StringIO) else b"").join(merged))
+
+
+def _as_bytes(text: Any) -> bytes:
+    return text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+
+
+def _appends_at_end(obj: Any) -> bool:
+    """An open in-memory stream positioned at its end (where batches will append)."""
+    if type(obj) not in (io.StringIO, io.BytesIO) or obj.closed:
+        return False
+    position = type(obj).tell(obj)
+    end = type(obj).seek(obj, 0, io.SEEK_END)
+    type(obj).seek(obj, position)
+    return position == end
+
+
 def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None, bound: bool = False,
                factory: Any = None) -> Watch:
     """The watch of ``obj``'s in-place changes, by its kind (``bound``: an object a
@@ -775,4 +874,6 @@ def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None, bound: boo
         return TensorWatch(slot, obj, created_at)
     if is_array(obj):
         return ArrayWatch(slot, obj, created_at)
+    if created_at is None and _appends_at_end(obj):
+        return StreamWatch(slot, obj)
     return Watch(slot, obj)

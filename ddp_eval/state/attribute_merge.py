@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 from ddp_eval.state._declared import REDUCTIONS, reduce_values
 from ddp_eval.state._order import in_global_order
-from ddp_eval.state._values import Change, Kind, Op
+from ddp_eval.state._values import OVER_NONE_ONCE, Change, Kind, Op
 
 Merged = Tuple[Kind, Any]
 __all__ = ["REDUCTIONS", "MergeResult", "merge_attribute_states", "merge_changes", "last_writer", "last_candidates"]
@@ -100,7 +100,8 @@ def merge_changes(label: str, changes: Sequence[Optional[Change]], result: "Merg
     return None if data is None else (kind, data)
 
 
-_CREATED_ONCE = ("it did not exist before the stage, and each of several ranks created it in one batch and "
+_CREATED_ONCE = ("it did not exist (or held None) before the stage, and each of several ranks created it in one "
+                 "batch and "
                  "changed it no more, so ddp_eval cannot tell whether every batch sets it (=) or the first creates "
                  "it and later ones add to it: it took the last batch's value, as for =; if batches add to it, "
                  "create it in on_stage_start (or use a collections.defaultdict or Counter)")
@@ -125,7 +126,8 @@ def _merge_last(label: str, present: List[Tuple[int, Change]], result: "MergeRes
                                    f"place (contribution {in_place[0]}); ddp_eval cannot tell which one process "
                                    "would have")
         return None
-    if all(c.kind is not Kind.LAST for _, c in present):
+    if all(c.kind is not Kind.LAST for _, c in present) or (
+            len(present) > 1 and all(c.data == OVER_NONE_ONCE for _, c in present)):
         result.assumed[label] = _CREATED_ONCE
     winner = last_writer([(i, c.last) for i, c in present])
     return Kind.LAST, dict(present)[winner].value
@@ -140,7 +142,7 @@ def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResu
     events = in_global_order([_one_each([p for p, _, _ in events], [(op, x) for _, op, x in events])
                               for events in per_contribution])
     adds = any(op in (Op.ADD, Op.SUBTRACT, Op.CONCAT) for op, _ in events)
-    if not adds and sum([op for _, op, _ in events] in ([Op.CREATED], [Op.UNPROBED])
+    if not adds and sum([op for _, op, _ in events] in ([Op.CREATED], [Op.OVER_NONE], [Op.UNPROBED])
                         for events in per_contribution) > 1:
         result.assumed[label] = _CREATED_ONCE
     elif not adds and sum([op for _, op, _ in events] == [Op.CONCAT_OR_SET] for events in per_contribution) > 1 \
