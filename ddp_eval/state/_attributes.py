@@ -232,6 +232,9 @@ class Slot:
 
     def _observe_number(self, batch: int, value: Any) -> Optional[bool]:
         what, data = read_changes(self.probe, value)
+        if self.probe._compared and is_number(self.obj) and _recording.ENABLED:  # if x < k: ..., min(x, k)
+            start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
+            self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
             BATCH_READS.add(top_label(self.label))  # its value went into something else
         if what == "set" and self.start is not ABSENT:
@@ -253,6 +256,9 @@ class Slot:
             return True
         if what == "set" and not is_number(value):
             return None  # another kind of object bound to it
+        if self.assigned_at is not None and not self.events:  # changed from a value a batch bound: that first
+            self.events.append((self.assigned_at, Op.OVER_NONE if self.over_none else Op.SET, plain_value(self.obj)))
+            self.assigned_at, self.assignments, self.created = None, 0, False
         self.events.extend((batch, op, x) for op, x in (data if what == "ops" else [(Op.SET, data)]))
         self.obj = plain(value)
         set_value(self.owner, self.name, self.obj)

@@ -56,6 +56,7 @@ class _Probe:
     _used = False  # on the origin: its value was used by something other than + and -
     _results: Tuple = ()  # on the origin: (result, parent, op, operand) of + or - giving another number type
 
+    _compared: Tuple = ()  # on the origin: (name, operand, result) of each comparison (see compared_alike)
     _derived = False  # on the origin: a value was computed from it by + or -
     _read = False  # on the origin: its value went into another one by more than a comparison
 
@@ -100,12 +101,34 @@ def _used(name: str):
     comparison = name in _COMPARISONS
 
     def method(self, *args):
-        self._origin._used = True
+        origin = self._origin
+        origin._used = True
         if not comparison:
-            self._origin._read = True
-        return getattr(_base(self), name)(self, *args)
+            origin._read = True
+        result = getattr(_base(self), name)(self, *args)
+        if comparison and type(result) is bool:  # replayed at the merge on one process's value (compared_alike)
+            origin._compared = origin._compared + (
+                (name, plain(args[0]) if args else None, result) if self is origin and (
+                    not args or type(args[0]) in (int, float, bool)) else None,)
+        return result
     method.__name__ = name
     return method
+
+
+def compared_alike(comparisons: Tuple, value: Any) -> bool:
+    """Whether the comparisons a batch made of its value at batch start (``(name,
+    operand, result)``; None: of a value it had changed, or with another operand)
+    give the same results on ``value``, one process's value at that batch.
+
+    Example
+    -------
+    >>> x = probe(0.0)
+    >>> _ = min(x, 0.3)
+    >>> compared_alike(x._compared, 0.0), compared_alike(x._compared, 0.5)
+    (True, False)
+    """
+    return all(c is not None and getattr(_base(value), c[0])(value, *([c[1]] if c[1] is not None else []))
+               == c[2] for c in comparisons)
 
 
 _USES = ("__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
@@ -222,6 +245,8 @@ def replay(start: Any, events: List[Tuple[str, Any]]) -> Any:
     """
     value = start
     for op, operand in events:
+        if op == Op.COMPARED:  # checked at the merge (ddp_eval.state.attribute_merge), changes nothing
+            continue
         if op == Op.INITIAL:
             value = operand if value is UNSET else value
         elif op == Op.SET:
@@ -240,6 +265,8 @@ def replays_to(start: Any, events: List[Tuple[int, str, Any]], value: Any) -> bo
     current = UNSET if start is None or start is ABSENT else start
     try:
         for _, op, operand in events:
+            if op == Op.COMPARED:
+                continue
             if op in (Op.SET, Op.OVER_NONE, Op.CREATED) or (op == Op.INITIAL and current is UNSET):
                 current = operand
             elif op == Op.UNPROBED:

@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 from ddp_eval.state._declared import REDUCTIONS, reduce_values
 from ddp_eval.state._order import in_global_order
+from ddp_eval.state._probes import UNSET, compared_alike, replay
 from ddp_eval.state._values import OVER_NONE_ONCE, Change, Kind, Op
 
 Merged = Tuple[Kind, Any]
@@ -150,7 +151,32 @@ def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResu
         result.assumed[label] = _REBUILT_ONCE
     elif not adds and not any(op == Op.SET for op, _ in events) and any(op == Op.UNPROBED for op, _ in events):
         result.assumed[label] = _UNPROBED
-    return [_decided(op, x, adds) for op, x in events]
+    decided = [_decided(op, x, adds) for op, x in events]
+    if any(op == Op.COMPARED for op, _ in decided) and not _compared_alike(decided):
+        result.assumed[label] = _COMPARED_OTHERWISE
+    return decided
+
+
+_COMPARED_OTHERWISE = ("a batch compared it (if x < k, min, max) when it held another value than one process's at "
+                       "that batch (on a rank only its own batches had changed it), and the comparison gives another "
+                       "answer on one process's value, so what that batch did may differ: the merge replays what "
+                       "each batch did on its rank; declare the merge (ddp_eval: merge) or compare in on_stage_end")
+
+
+def _compared_alike(decided: Sequence[Tuple[Op, Any]]) -> bool:
+    """Replays ``decided`` in global order from the stage's start value; at each
+    batch that compared the value, the comparisons must give the same answers on
+    the replayed value (one process's) as on the rank's own."""
+    start = next(x[2] for op, x in decided if op == Op.COMPARED)
+    value = start
+    for op, x in decided:
+        if op == Op.COMPARED:
+            local, comparisons, _ = x
+            if value is UNSET or not (value == local or compared_alike(comparisons, value)):
+                return False
+        else:
+            value = replay(value, [(op, x)])
+    return True
 
 
 def _decided(op: Op, x: Any, adds: bool) -> Tuple[Op, Any]:
