@@ -209,8 +209,14 @@ def test_appends_steered_by_a_read_equal_one_process_or_are_named(program):
 def test_without_naming_steered_appends_the_property_fails(monkeypatch):
     """With the read-then-append naming switched off, hypothesis finds a program whose
     list is silently wrong (each rank's read saw its own batches only)."""
-    monkeypatch.setattr(_recording, "STEERABLE", False)
-    wrong = find(programs(names=STEERING), lambda p: any(p[0]) and silently_wrong(*p) is not None,
+    _fails_when_switched_off(monkeypatch, _recording, "STEERABLE", STEERING)
+
+
+def _fails_when_switched_off(monkeypatch, module, switch, names):
+    """With ``module.switch`` off, hypothesis finds a silently wrong program over
+    ``names``; with it back on, that program is equal or named."""
+    monkeypatch.setattr(module, switch, False)
+    wrong = find(programs(names=names), lambda p: any(p[0]) and silently_wrong(*p) is not None,
                  settings=settings(max_examples=500, derandomize=True, database=None))
     assert silently_wrong(*wrong) is not None
     monkeypatch.undo()
@@ -246,13 +252,8 @@ def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeyp
     insert, a read that steers an append)."""
     from ddp_eval.state import metrics
 
-    stage_start = [name for name in METRIC if not name.startswith("lazy")]
-    monkeypatch.setattr(metrics, "WATCH_FLAT_LISTS", False)
-    wrong = find(programs(names=stage_start), lambda p: any(p[0]) and silently_wrong(*p) is not None,
-                 settings=settings(max_examples=500, derandomize=True, database=None))
-    assert silently_wrong(*wrong) is not None
-    monkeypatch.undo()
-    assert silently_wrong(*wrong) is None
+    _fails_when_switched_off(monkeypatch, metrics, "WATCH_FLAT_LISTS",
+                             [name for name in METRIC if not name.startswith("lazy")])
 
 
 # Programs the 10,000-program run by hand found silently wrong (docs/testing.md), kept as cases

@@ -39,7 +39,7 @@ import torch
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._order import as_chunks, growth_since
+from ddp_eval.state._order import as_chunks, growth_since, packed
 from ddp_eval.state._probes import PROBED_TYPES, Factory, is_probe, origin_of, plain
 from ddp_eval.state._values import (
     ABSENT,
@@ -237,7 +237,7 @@ class ListWatch(Watch):
 
     def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
         batches, bounds = growth_since(self.changes, from_batch, self.start_len)
-        added = as_chunks(positions, batches, bounds, [plain(x) for x in self.obj[bounds[0]: bounds[-1]]]
+        added = as_chunks(positions, batches, bounds, packed([plain(x) for x in self.obj[bounds[0]: bounds[-1]]])
                           ) if batches else None
         if not self.entries:
             return added
