@@ -12,6 +12,7 @@ ddp_eval.errors.ConfigError: ddp_eval: unknown option 'shard_tset' in the 'ddp_e
 """
 
 import os
+import pickle
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -91,9 +92,10 @@ class DDPEvalConfig:
         one more one-process evaluation of each verified stage.
     merge : dict
         ``{attribute: reduction}``: how an attribute merges where inference cannot
-        know (``best_score: max``), one of ``max``, ``min``, ``sum``, ``union``
-        (:mod:`ddp_eval.state._declared`); a rank whose value contradicts it is
-        named. Names with a dot are paths, as in ``attributes_include``.
+        know (``best_score: max``), one of ``max``, ``min``, ``sum``, ``union``,
+        or a module-level function of every rank's value (``!name:``, as
+        torchmetrics' ``dist_reduce_fx``; :mod:`ddp_eval.state._declared`); a
+        rank whose value contradicts it is named. Names with a dot are paths, as in ``attributes_include``.
     fsdp : FSDPOptions, optional
         Shard the trainable modules with torch's FSDP (``fully_shard``) instead
         of wrapping them in DDP under ``torchrun``: ``fsdp: true`` (defaults) or
@@ -115,7 +117,7 @@ class DDPEvalConfig:
     resume_eval_dir: Optional[str] = None
     stream_split: str = "batches"
     verify: str = "off"
-    merge: Dict[str, str] = field(default_factory=dict)
+    merge: Dict[str, Any] = field(default_factory=dict)
     fsdp: Optional["FSDPOptions"] = None
 
     @classmethod
@@ -189,6 +191,15 @@ class DDPEvalConfig:
         _expect("merge", self.merge, isinstance(self.merge, Mapping) and all(isinstance(k, str) for k in self.merge),
                 "a mapping of attribute names to reductions")
         for path, reduction in self.merge.items():
+            if callable(reduction):  # the recipe's own function: sent to every rank by reference
+                try:
+                    pickle.dumps(reduction)
+                except Exception as exc:
+                    raise ConfigError(f"ddp_eval: merge: {path}: expected one of {list(REDUCTIONS)} or a module-level "
+                                      f"function (it travels by reference), got {reduction!r} ({type(exc).__name__}); "
+                                      "define it at the top level of a module and name it with !name: in the YAML"
+                                      ) from exc
+                continue
             check_choice(f"merge: {path}", reduction, REDUCTIONS)
 
 

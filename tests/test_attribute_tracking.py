@@ -373,6 +373,60 @@ def test_a_declared_merge_is_validated(merge, message):
         DDPEvalConfig.from_hparams({"ddp_eval": {"merge": merge}})
 
 
+def top_two(values):
+    """A recipe's own merge: the two best scores over every rank's (a module-level function)."""
+    return sorted({score for pair in values for score in pair}, reverse=True)[:2]
+
+
+def keeps_first(values):
+    """Not a merge: it drops a rank's own value when alone."""
+    return []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_declared_merge_function_of_the_recipe_equals_one_process(layout):
+    """Issue 37: ``merge:`` also takes a function of every rank's value, as torchmetrics'
+    ``dist_reduce_fx`` (here from the YAML, as ``!name:`` gives it): the two best
+    scores, kept by a batch that compares, sorts and cuts, exact at any split."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), best=[0.0])
+
+    def batch(h, b):
+        h.best = sorted(set(h.best) | {(b * 7 % 5) * 0.1}, reverse=True)[:2]
+
+    from hyperpyyaml import load_hyperpyyaml
+    config = DDPEvalConfig.from_hparams(load_hyperpyyaml(
+        "ddp_eval:\n    merge:\n        best: !name:tests.test_attribute_tracking.top_two\n"))
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, records, merged = simulate_stage(layout, make, batch, config)
+    assert not merged.attributes.conflicts and not any(r.report["unmergeable"] for r in records)
+    for holder in holders:
+        assert holder.best == single.best
+    # the same recipe without the declaration: named (a value computed from the previous one)
+    _, records, _ = simulate_stage(layout, make, batch, DDPEvalConfig())
+    assert any("best" in r.report["unmergeable"] for r in records) or len(layout) == 1
+
+
+def test_a_declared_merge_function_is_checked_and_validated():
+    """A function that does not give a rank's value from it alone is named on that rank;
+    one that cannot travel by reference (a lambda) is refused with what to do."""
+    from ddp_eval.errors import ConfigError
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), best=[1.0])
+
+    def batch(h, b):
+        h.best = [float(b)]
+
+    _, records, _ = simulate_stage([[0], [1]], make, batch, DDPEvalConfig(merge={"best": keeps_first}))
+    assert "declared 'merge: keeps_first', but the function gives [] from this rank's value" in \
+        records[1].report["unmergeable"]["best"]
+    with pytest.raises(ConfigError, match="a module-level function"):
+        DDPEvalConfig.from_hparams({"ddp_eval": {"merge": {"best": lambda values: values[0]}}})
+
+
 class _Slotted:
     __slots__ = ("n",)
 

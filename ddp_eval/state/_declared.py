@@ -15,6 +15,12 @@ sum        start + every rank's change                         a number, tensor 
 union      start with every rank's elements                    a set holding the start
 ========  ==================================================  ====================
 
+A function of the recipe's own (``!name:my_recipe.merge_best`` in the YAML, as
+torchmetrics' ``dist_reduce_fx``) gets every rank's stage-end value, in rank order
+(a rank without a batch sends its stage-start value), and returns the merged one;
+it is checked on each rank to give a rank's value from that value alone
+(``f([x]) == x``), and must be a module-level function (it travels by reference).
+
 A rank whose value contradicts its declaration (a ``max`` that fell) is named
 at stage end, never merged.
 
@@ -58,8 +64,23 @@ def _reducible(reduction: str, value: Any) -> bool:
     return is_number(value) or isinstance(value, torch.Tensor) or is_array(value)
 
 
-def contradiction(reduction: str, start: Any, end: Any) -> Optional[str]:
-    """Why ``end`` cannot come from ``start`` by batches merged with ``reduction`` (None: it can)."""
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or is_array(a):
+        return type(a) is type(b) and a.shape == b.shape and _all(a == b)
+    return type(a) is type(b) and a == b
+
+
+def contradiction(reduction: Any, start: Any, end: Any) -> Optional[str]:
+    """Why ``end`` cannot come from ``start`` by batches merged with ``reduction`` (None: it can).
+    A function of the recipe's own must give a rank's value from that value alone."""
+    if callable(reduction):
+        try:
+            alone = reduction([end])
+        except Exception as exc:  # named, with what it raised
+            return f"the function raised {type(exc).__name__}: {exc} on this rank's value alone ([{end!r}])"
+        if not _same(alone, end):
+            return f"the function gives {alone!r} from this rank's value {end!r} alone, which a merge must keep"
+        return None
     if not _reducible(reduction, end):
         return f"it holds a {type(end).__name__}, which '{reduction}' does not merge"
     if start is ABSENT or start is None:
@@ -79,6 +100,8 @@ def reduce_values(per_contribution: Sequence[Any]) -> Any:
     """The merged value from every contribution's ``(reduction, base, end)``."""
     reduction, start, _ = per_contribution[0]
     ends = [end for _, _, end in per_contribution]
+    if callable(reduction):  # the recipe's own, as torchmetrics' dist_reduce_fx: every rank's value, in rank order
+        return reduction(ends)
     if reduction == "union":
         return (set() if start in (None, ABSENT) else set(start)).union(*ends)
     if reduction == "sum":
@@ -122,7 +145,7 @@ class DeclaredSlot:
             return
         why = contradiction(self.reduction, self.start, self.obj)
         if why is not None:
-            self.why = f"declared 'merge: {self.reduction}', but {why}"
+            self.why = f"declared 'merge: {getattr(self.reduction, '__name__', self.reduction)}', but {why}"
 
     def release(self) -> None:
         pass
