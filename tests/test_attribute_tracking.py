@@ -327,6 +327,16 @@ def test_dict_and_list_entries_that_go_quiet_then_change_again(layout):
     assert single.counts == {"a": 1 + 2 + 3 + 21 + 28, "b": 240} and single.results["u1-0"] == -25
 
 
+def _declared(layout, make, batch, config):
+    """``(one process, [each rank after the merge])`` of a stage with declared merges, nothing named."""
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, records, merged = simulate_stage(layout, make, batch, config)
+    assert not merged.attributes.conflicts and not any(r.report["unmergeable"] for r in records)
+    return single, holders
+
+
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_declared_merges_equal_one_process(layout):
     """``ddp_eval: merge`` (issue 32): a running maximum and minimum, a sum and a set,
@@ -342,11 +352,7 @@ def test_declared_merges_equal_one_process(layout):
         h.seen = h.seen | {b % 3}
 
     config = DDPEvalConfig(merge={"best": "max", "worst": "min", "total": "sum", "seen": "union"})
-    single = make()
-    for b in range(sum(map(len, layout))):
-        batch(single, b)
-    holders, records, merged = simulate_stage(layout, make, batch, config)
-    assert not merged.attributes.conflicts and not any(r.report["unmergeable"] for r in records)
+    single, holders = _declared(layout, make, batch, config)
     for holder in holders:
         assert (holder.best, holder.worst, holder.seen) == (single.best, single.worst, single.seen)
         assert torch.equal(holder.total, single.total)
@@ -397,11 +403,7 @@ def test_a_declared_merge_function_of_the_recipe_equals_one_process(layout):
     from hyperpyyaml import load_hyperpyyaml
     config = DDPEvalConfig.from_hparams(load_hyperpyyaml(
         "ddp_eval:\n    merge:\n        best: !name:tests.test_attribute_tracking.top_two\n"))
-    single = make()
-    for b in range(sum(map(len, layout))):
-        batch(single, b)
-    holders, records, merged = simulate_stage(layout, make, batch, config)
-    assert not merged.attributes.conflicts and not any(r.report["unmergeable"] for r in records)
+    single, holders = _declared(layout, make, batch, config)
     for holder in holders:
         assert holder.best == single.best
     # the same recipe without the declaration: named (a value computed from the previous one)
@@ -508,6 +510,22 @@ def test_streams_and_generators_batches_touch_are_named():
     assert "read it back" in named["numbered"] and "read it back" in named["first"]
     assert "append the lines to a list" in named["head"] and "stage_output" in named["head"]
     assert set(records[1].report["unmergeable"]) >= {"numbered", "first", "head"}
+
+
+def test_a_stream_closed_during_the_stage_is_named():
+    """A log a batch writes to and then closes: named on its rank, the stage ends."""
+    import io
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), log=io.StringIO())
+
+    def batch(h, b):
+        h.log.write(f"utt{b}\n")
+        if b == 2:
+            h.log.close()
+
+    _, records, _ = simulate_stage([[0, 2], [1, 3]], make, batch, DDPEvalConfig())
+    assert "closed during the stage" in records[0].report["unmergeable"]["log"]
 
 
 def test_a_list_of_tensors_travels_stacked_and_merges_to_one_process():

@@ -90,7 +90,8 @@ def batch(brain, b):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("layout", [[[0, 1, 2]], [[0, 2], [1]]], ids=["one process", "2 ranks"])
+@pytest.mark.parametrize("layout", [[[0, 1, 2]], [[0, 2], [1]], [[0, 1, 2], []]],
+                         ids=["one process", "2 ranks", "one idle"])
 def test_stand_ins_serialise_as_the_plain_values_during_a_batch_and_are_plain_after(layout):
     plain = Brain()
     for b in range(3):

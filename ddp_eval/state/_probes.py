@@ -56,7 +56,7 @@ class _Probe:
     _used = False  # on the origin: its value was used by something other than + and -
     _results: Tuple = ()  # on the origin: (result, parent, op, operand) of + or - giving another number type
 
-    _compared: Tuple = ()  # on the origin: (name, operand, result) of each comparison (see compared_alike)
+    _compared: Tuple = ()  # on the origin: a list of (name, operand, result), a comparison each (compared_alike)
     _derived = False  # on the origin: a value was computed from it by + or -
     _read = False  # on the origin: its value went into another one by more than a comparison
 
@@ -107,9 +107,10 @@ def _used(name: str):
             origin._read = True
         result = getattr(_base(self), name)(self, *args)
         if comparison and type(result) is bool:  # replayed at the merge on one process's value (compared_alike)
-            origin._compared = origin._compared + (
-                (name, plain(args[0]) if args else None, result) if self is origin and (
-                    not args or type(args[0]) in (int, float, bool)) else None,)
+            if not origin._compared:
+                origin._compared = []
+            origin._compared.append((name, plain(args[0]) if args else None, result) if self is origin and (
+                not args or type(args[0]) in (int, float, bool)) else None)
         return result
     method.__name__ = name
     return method
@@ -319,7 +320,7 @@ class Factory:
                 if type(field) in (int, float):
                     fields[name] = own[name] = probe(field)
                 elif type(field) is list and not field and is_metric_object(handed):  # its sort, insert: seen
-                    own[name] = listening_copy(field)
+                    own[name] = listening_copy(field, f"{type(handed).__name__}.{name}")
                     self.lists.append((handed, name))
         self.made[id(handed)] = (handed, root, fields)
         return handed

@@ -329,12 +329,13 @@ def recording_copy(value: Any) -> Optional[Any]:
     return copy
 
 
-def listening_copy(value: list) -> Any:
+def listening_copy(value: list, label: str) -> Any:
     """A recording copy of a list that notes its operations from now on, outside any
     attribute tracker (the lists of a metric object a ``defaultdict`` makes during
-    the stage); :func:`restore` gives the plain list back."""
+    the stage, ``label`` naming them where a batch reads them); ``list(copy)`` is
+    the plain list back."""
     copy = _CLASSES[list]._listening(value)
-    copy.ops, copy.handed, copy.built = [], {}, []
+    copy.ops, copy.handed, copy.built, copy.label = [], {}, [], label
     return copy
 
 

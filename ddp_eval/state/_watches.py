@@ -799,6 +799,9 @@ class StreamWatch(Watch):
     def observe(self, batch: int, value: Any) -> bool:
         self.release()
         kind, read, self.read = type(self.obj), self.read, False
+        if self.obj.closed:
+            self.slot.fail(_CLOSED)
+            return True
         position = kind.tell(self.obj)
         if position == self.length and not read:
             return False
@@ -822,6 +825,8 @@ class StreamWatch(Watch):
     def finish(self) -> None:
         self.release()
         kind = type(self.obj)
+        if self.slot.why is None and self.obj.closed:
+            self.slot.fail(_CLOSED)
         if self.slot.why is None and (kind.tell(self.obj) != self.length or zlib.crc32(_as_bytes(
                 kind.getvalue(self.obj)[: self.start])) != self.head):
             self.slot.fail("what it held at stage start, or its position, changed outside a batch's writes at its "
@@ -838,6 +843,10 @@ class StreamWatch(Watch):
         methods.seek(stream, self.start)
         methods.truncate(stream)
         methods.write(stream, ("" if isinstance(stream, io.StringIO) else b"").join(merged))
+
+
+_CLOSED = ("it was closed during the stage, so its text cannot be merged; close it in on_stage_end, or write the "
+           "lines to a list")
 
 
 def _as_bytes(text: Any) -> bytes:

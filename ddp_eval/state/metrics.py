@@ -55,7 +55,7 @@ from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 from ddp_eval import sb_compat
 from ddp_eval.errors import ConfigError
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._order import growth_since
+from ddp_eval.state._order import growth_since, packed
 from ddp_eval.state._probes import plain
 from ddp_eval.state._recording import is_recording, unmergeable_operations
 from ddp_eval.state._values import is_number
@@ -269,14 +269,8 @@ def _is_setting(value: Any) -> bool:
 
 
 def _pack(items: list) -> Any:
-    """A list of same-shaped tensors travels as one stacked CPU tensor (pickling
-    thousands of 0-d tensors one by one costs far more than the merge)."""
-    if items and all(isinstance(x, torch.Tensor) for x in items):
-        first = items[0]
-        if all(x.shape == first.shape and x.dtype == first.dtype for x in items):
-            return torch.stack([x.detach() for x in items]).cpu()
-    return [x.detach().cpu() if isinstance(x, torch.Tensor) else plain(x) for x in items]
-
+    """A list of same-shaped tensors travels as one stacked CPU tensor (:func:`ddp_eval.state._order.packed`)."""
+    return packed([x.detach().cpu() if isinstance(x, torch.Tensor) else plain(x) for x in items])
 
 
 class MetricRecorder:
