@@ -367,7 +367,7 @@ class ControlChannel:
             # All alike (most exchanges): no per-rank index, so the answer stays O(1).
             verdict = self._decide(seq, ("ok", list(unique), index if len(unique) > 1 else None))
         self._publish(seq, verdict)
-        if seq > 1:  # every rank posted this exchange, so all have read the previous one
+        if seq > 1 and verdict[0] == "ok":  # every rank posted this exchange, so all have read the previous one
             for name in ("verdict", "answer", "count", "ready", "read", "all_read"):
                 store.delete_key(self._key(seq - 1, name))
         return verdict
