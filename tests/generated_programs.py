@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import io
 import types
+import warnings
 
 import numpy as np
 import torch
@@ -288,6 +289,103 @@ def _fixed():
     }
 
 
+# object plumbing, not a read of the value
+_PLUMBING = {"__class__", "__init__", "__new__", "__getattribute__", "__setattr__", "__delattr__", "__init_subclass__",
+             "__subclasshook__", "__reduce__", "__reduce_ex__", "__getnewargs__", "__sizeof__", "__dir__",
+             "__getstate__", "__class_getitem__", "__set_format__", "__getformat__", "from_bytes", "fromhex",
+             "__new_member__"}
+
+
+def steers(result):
+    """A branch on what a read gave, the same function of the value in one process and on a rank."""
+    if isinstance(result, torch.Tensor):
+        return bool(torch.as_tensor(result).detach().double().nan_to_num().sum() > 1.0)
+    if isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor):
+        return steers(result[0])
+    return sum(map(ord, repr(result))) % 3 == 0
+
+
+def _reading(kind, name, attribute):
+    """``if steers(getattr(value, name)(...)): c_list.append(b)`` on ``brain.attribute``."""
+    def run(brain, b):
+        target = getattr(brain, attribute)
+        for args in ((), (2,), (1, 2)):
+            try:
+                result = getattr(target, name)(*args)
+            except TypeError:
+                continue
+            except (*_FAILS, NotImplementedError):
+                return
+            if steers(result):
+                brain.c_list.append(b)
+            return
+    return run
+
+
+def steering_reads():
+    """``{name: op}``: a read of an accumulated value, by every method ``dir()`` gives
+    for ``int`` (of ``n``), ``float`` (of ``x``) and ``list`` (of ``c_list``, steering
+    ``n``), every method of ``torch.Tensor`` that leaves ``vec`` as it is, and the
+    builtins that read a value whole (``str``, ``format``, ``hash``, ``range``),
+    followed by an append that the read steers."""
+    ops = {}
+    for kind, attribute in ((int, "n"), (float, "x")):
+        for name in dir(kind):
+            if callable(getattr(kind, name)) and name not in _PLUMBING:
+                ops[f"steer by {kind.__name__}.{name}"] = _reading(kind, name, attribute)
+    for name in dir(torch.Tensor):
+        if not name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name)):
+            if _value_read(name):
+                ops[f"steer by Tensor.{name}"] = _reading(torch.Tensor, name, "vec")
+    for name in container_methods(list):  # the reads among them: those that leave the list as it is
+        if name not in changing_list_methods():
+            ops[f"steer by list.{name}"] = lambda h, b, name=name: setattr(h, "n", h.n + 1) if steers(
+                _call_quietly(getattr(h.c_list, name))) else None
+    for label, read in {"str": str, "format": lambda v: format(v, ".3g"), "hash": hash, "range": range,
+                        "index a list": lambda v: [0, 1, 2, 3][v % 4], "torch.tensor": torch.tensor}.items():
+        ops[f"steer by {label}(n)"] = lambda h, b, read=read: h.c_list.append(b) if steers(read(h.n)) else None
+    return ops
+
+
+def _value_read(name):
+    """Whether ``vec.name(...)`` leaves ``vec`` as it is and gives what two equal
+    tensors give alike (not an address: ``data_ptr``)."""
+    results = []
+    for _ in range(2):
+        brain = Brain()
+        before = brain.vec.clone()
+        try:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for args in ((), (2,), (1, 2)):
+                    try:
+                        results.append(repr(getattr(brain.vec, name)(*args)))
+                        break
+                    except TypeError:
+                        continue
+        except Exception:
+            return False
+        if not torch.equal(brain.vec, before) or brain.vec.requires_grad:
+            return False
+    return len(results) == 2 and results[0] == results[1]
+
+
+def changing_list_methods():
+    from ddp_eval.state._recording import changing_methods
+    return set(changing_methods(list))
+
+
+def _call_quietly(method):
+    for args in ((), (1.5,), (0, 1)):
+        try:
+            return method(*args)
+        except TypeError:
+            continue
+        except _FAILS:
+            return None
+    return None
+
+
 def _quiet(op):
     """An operation that does nothing where it fails on the value (in one process as on a rank)."""
     def run(brain, b):
@@ -336,3 +434,5 @@ def operations():
 
 OPERATIONS, LEFT_OUT = operations()
 NAMES = sorted(OPERATIONS)
+STEERING_READS = {label: _quiet(op) for label, op in steering_reads().items()}  # in programs of their own
+OPERATIONS.update(STEERING_READS)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.processes import kill_when
+from tests.processes import kill_when, start
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,8 +142,7 @@ def test_demo_recipe_resumes_after_sigkill(tmp_path):
            os.path.join(ROOT, "recipes/demo/train.py"), os.path.join(ROOT, "hparams/demo.yaml"),
            f"--output_folder={output}", "--device=cpu", "--noprogressbar",
            "--distributed_backend=gloo", "--number_of_epochs=30"]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = start(cmd, tmp_path / "job.log", cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     def checkpointed():
         save = output / "save"
         return save.is_dir() and any(d.startswith("CKPT") for d in os.listdir(save))

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests import workers
-from tests.processes import kill_when
+from tests.processes import kill_when, start
 
 pytestmark = pytest.mark.timeout(400)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +50,7 @@ def _evaluated(out_dir):
 def _kill_half_way(nproc, ckpt_dir, out_dir):
     """Starts the job; SIGKILLs torchrun and its workers once half the batches are journaled."""
     out_dir.mkdir()
-    job = subprocess.Popen(_command(nproc, ckpt_dir, out_dir, "0.15"), cwd=ROOT, env=_env(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = start(_command(nproc, ckpt_dir, out_dir, "0.15"), out_dir / "job.log", cwd=ROOT, env=_env())
     kill_when(job, lambda: len(list((ckpt_dir / ".ddp_eval-journal").rglob("piece-*.pkl"))) >= TOTAL_BATCHES // 2)
     journaled = _journaled(ckpt_dir)
     assert TOTAL_BATCHES // 2 <= len(journaled) < TOTAL_BATCHES and len(set(journaled)) == len(journaled)

@@ -133,8 +133,9 @@ def resolve(root: Any, path: str) -> Tuple[Any, str]:
     return owner, name
 
 
-# What the batch under way read and set, by top-level label (see AttributeTracker.after_batch)
+# What the batch under way read, read whole and set, by top-level label (see AttributeTracker.after_batch)
 BATCH_READS: set = set()
+BATCH_WHOLE: set = set()  # reads whose answer may steer what the batch does (len(items), t.sum(), n * x)
 BATCH_SETS: set = set()
 
 
@@ -237,6 +238,7 @@ class Slot:
             self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
             BATCH_READS.add(top_label(self.label))  # its value went into something else
+            BATCH_WHOLE.add(top_label(self.label))
         if what == "set" and self.start is not ABSENT:
             BATCH_SETS.add(top_label(self.label))
         self.probe = None
@@ -286,6 +288,7 @@ class Slot:
         what, data = read_rebuilt(probe, value)
         if read_from(probe, rebuilt=what == "ops"):
             BATCH_READS.add(top_label(self.label))
+            BATCH_WHOLE.add(top_label(self.label))
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain tensor, array or list back
             if read_through_data(probe) and isinstance(self.watch, TensorWatch):
@@ -556,6 +559,7 @@ class AttributeTracker:
         self._copies = list(_recording.CREATED)  # the recording copies its slots made (all, at stage start)
         _recording.CREATED.clear()
         self.read_then_set: Dict[str, set] = {}  # label set by a batch -> labels that batch read
+        self.whole_reads: set = set()  # labels batches read whole: what a read steered may be a change not made
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
         self._added: List[Slot] = []  # watched since the batch began (created by it): seen after it
@@ -588,6 +592,7 @@ class AttributeTracker:
         _recording.READ.clear()
         _recording.INDEXED.clear()
         BATCH_READS.clear()
+        BATCH_WHOLE.clear()
         BATCH_SETS.clear()
         _recording.LISTENING = _recording.ENABLED
         _recording.listen(self._copies, True)
@@ -598,11 +603,13 @@ class AttributeTracker:
             _recording.LISTENING = False
             _recording.listen(self._copies, False)
             BATCH_READS.update(recorded.label for recorded in _recording.READ)
+            BATCH_WHOLE.update(recorded.label for recorded in _recording.READ if recorded._whole)
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did: a look at the busy attributes,
         an identity check of the others (a string, a bool, a tuple, an object);
-        and which attributes it set after reading others (see :meth:`finish`)."""
+        which attributes it set after reading others, and what batches read whole
+        (see :func:`ddp_eval.state.bookkeeping.name_values_read_from_partial_state`)."""
         self.stop_listening()
         for slot in self._busy:
             slot.observe(self.batches)
@@ -612,6 +619,7 @@ class AttributeTracker:
         for label in BATCH_SETS:
             if BATCH_READS - {label}:
                 self.read_then_set.setdefault(label, set()).update(BATCH_READS - {label})
+        self.whole_reads |= BATCH_WHOLE
         self._added = []
         self.batches += 1
 

@@ -75,50 +75,56 @@ class _Probe:
 
     def __add__(self, other):
         if isinstance(self, (str, bytes)):  # s += line: concatenation, replayed in global batch order
-            return self._derive(Op.CONCAT, other, _base(self)(self) + other)
-        return self._derive(Op.ADD, other, _base(self)(self) + other)
+            return self._derive(Op.CONCAT, other, _value(self) + other)
+        return self._derive(Op.ADD, other, _value(self) + other)
 
     def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
         if isinstance(self, (str, bytes)):  # prefix + s: not replayed
             self._origin._used = True
-            return other + _base(self)(self)
-        return self._derive(Op.ADD, other, other + _base(self)(self))
+            return other + _value(self)
+        return self._derive(Op.ADD, other, other + _value(self))
 
     def __sub__(self, other):
-        return self._derive(Op.SUBTRACT, other, _base(self)(self) - other)
+        return self._derive(Op.SUBTRACT, other, _value(self) - other)
 
     def __reduce__(self):  # pickles, copies and saves as the plain number (a read of its value)
         self._origin._used = self._origin._read = True
-        return as_builtin, (_base(self).__name__, _base(self)(self))
+        return as_builtin, (_base(self).__name__, _value(self))
 
 
 _COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__")
 
 
+_REPLAYABLE = (int, float, bool, str, type(None))
+
+
 def _used(name: str):
-    """A method of the base type that also notes that the probe's value was used
-    (and, but for a comparison, that it went into another value: ``_read``)."""
+    """A method of the base type that also notes that the probe's value was used.
+    A read of the batch-start value with plain operands (``n % 2``, ``n > k``,
+    ``f"{n}"``, ``d[n]``) is kept as ``(name, operands, result)``, replayed at the
+    merge on one process's value (:func:`compared_alike`); any other read (of a
+    value the batch changed, or with a tensor) is kept as None and, but for a
+    comparison, notes that the value went into another one (``_read``)."""
     comparison = name in _COMPARISONS
 
     def method(self, *args):
         origin = self._origin
         origin._used = True
-        if not comparison:
-            origin._read = True
         result = getattr(_base(self), name)(self, *args)
-        if comparison and type(result) is bool:  # replayed at the merge on one process's value (compared_alike)
-            if not origin._compared:
-                origin._compared = []
-            origin._compared.append((name, plain(args[0]) if args else None, result) if self is origin and (
-                not args or type(args[0]) in (int, float, bool)) else None)
+        replayable = self is origin and all(type(a) in _REPLAYABLE for a in args)
+        if not (replayable or comparison):
+            origin._read = True
+        if not origin._compared:
+            origin._compared = []
+        origin._compared.append((name, tuple(plain(a) for a in args), result) if replayable else None)
         return result
     method.__name__ = name
     return method
 
 
 def compared_alike(comparisons: Tuple, value: Any) -> bool:
-    """Whether the comparisons a batch made of its value at batch start (``(name,
-    operand, result)``; None: of a value it had changed, or with another operand)
+    """Whether the reads a batch made of its value at batch start (``(name,
+    operands, result)``; None: of a value it had changed, or with another operand)
     give the same results on ``value``, one process's value at that batch.
 
     Example
@@ -127,14 +133,24 @@ def compared_alike(comparisons: Tuple, value: Any) -> bool:
     >>> _ = min(x, 0.3)
     >>> compared_alike(x._compared, 0.0), compared_alike(x._compared, 0.5)
     (True, False)
+    >>> n = probe(3)
+    >>> _ = n % 2, n > 1
+    >>> compared_alike(n._compared, 5), compared_alike(n._compared, 4)
+    (True, False)
     """
-    return all(c is not None and getattr(_base(value), c[0])(value, *([c[1]] if c[1] is not None else []))
-               == c[2] for c in comparisons)
+    return all(c is not None and _same(getattr(_base(value), c[0])(value, *c[1]), c[2]) for c in comparisons)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # NaN is NaN
 
 
 _USES = ("__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
          "__mod__", "__rmod__", "__pow__", "__rpow__", "__divmod__", "__neg__", "__abs__", "__lt__", "__le__",
          "__gt__", "__ge__", "__eq__", "__ne__", "__bool__", "__round__", "__trunc__", "__floor__", "__ceil__")
+# a number's value read whole: converted (float(n), range(n), items[n], torch.tensor(n)),
+# printed (f"{n}", str(n)) or used as a key (d[n])
+_NUMBER_READS = ("__int__", "__float__", "__index__", "__format__", "__str__", "__repr__", "__hash__")
 
 
 def _uses(base: type) -> List[str]:
@@ -142,7 +158,7 @@ def _uses(base: type) -> List[str]:
     bytes, every method of the type but ``+`` (``+=`` is concatenation,
     replayed), taken from ``dir()``."""
     if base in (int, float):
-        return [name for name in _USES if hasattr(base, name)]
+        return [name for name in _USES + _NUMBER_READS if hasattr(base, name)]
     own = (name for name in dir(base) if name not in ("__add__", "__getnewargs__", "__hash__", "__bytes__", "__str__")
            and (name not in dir(object) or name in _USES))
     return [name for name in own if type(inspect.getattr_static(base, name)).__name__ in _METHOD_KINDS]
@@ -152,8 +168,7 @@ _METHOD_KINDS = ("method_descriptor", "wrapper_descriptor")  # not static or cla
 
 
 def _probe_class(base: type) -> type:
-    namespace = {name: _used(name) for name in _uses(base)}
-    namespace["__hash__"] = base.__hash__
+    namespace = {"__hash__": base.__hash__, **{name: _used(name) for name in _uses(base)}}
     return type(f"{base.__name__.capitalize()}Probe", (_Probe, base), namespace)
 
 
@@ -163,6 +178,15 @@ _CLASSES = {int: IntProbe, float: FloatProbe, str: StrProbe, bytes: BytesProbe}
 
 def _base(value: Any) -> type:
     return next(kind for kind in (float, str, bytes, int) if isinstance(value, kind))
+
+
+# a probe's plain value by the base type's own copy (float(p) would call the probe's
+# __float__, a read the recipe did not make)
+_PLAIN = {int: int.__pos__, float: float.__pos__, str: str.__str__, bytes: lambda b: bytes.__getitem__(b, slice(None))}
+
+
+def _value(probe: Any) -> Any:
+    return _PLAIN[_base(probe)](probe)
 
 
 def probe(value: Any) -> Any:
@@ -178,7 +202,7 @@ def is_probe(value: Any) -> bool:
 
 def plain(value: Any) -> Any:
     """``value`` as a plain ``int`` or ``float`` if it is a probe; else itself."""
-    return _base(value)(value) if isinstance(value, _Probe) else value
+    return _value(value) if isinstance(value, _Probe) else value
 
 
 def _chain(node: Any, root: _Probe) -> Optional[List[Tuple[str, Any]]]:

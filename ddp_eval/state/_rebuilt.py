@@ -65,6 +65,10 @@ _MOVES = {"clone", "detach", "__deepcopy__", "__setitem__", "copy_", "pad", "sta
           "__array__", "__iter__", "__index__", "__int__", "__float__"}
 
 
+# of the moves, those whose result is the value itself, out of the tensor: a read of it
+_EXTRACTS = {"item", "tolist", "numpy", "__float__", "__int__", "__index__", "__array__"}
+
+
 # in-place changes the merge replays as increments (``x += y``, ``x.add_(y)``,
 # ``torch.add(x, y, out=x)``, ``index_add_``); an index assignment is one if the
 # value assigned was computed from the value itself by + or - (``x[i] += 1``,
@@ -129,7 +133,7 @@ class _Record:
         elif (name == "append" and len(args) == 2 and args[0] is root and getattr(root, "ndim", 0) == 1
               and kwargs.get("axis") is None):  # numpy.append of a 1-d array: concatenation
             self._result(out, Op.CONCAT, numpy.ravel(_plain(args[1])))
-        elif name not in _MOVES:
+        elif name not in _MOVES or name in _EXTRACTS:
             self.used = self.read = True
 
     def _result(self, out: Any, op: str, operand: Any) -> None:
@@ -379,8 +383,9 @@ class _Used:
             return
         if name in _ADD | _SUB and out is not None and any(getattr(a, "_ddp_record", None) is self for a in args):
             record.sums.append(out)  # x[i] + 1: an index assignment of it is an increment
-        if name not in _NO_READ and name not in _MOVES:
             record.used = True
+        elif name in _EXTRACTS or (name not in _NO_READ and name not in _MOVES):  # float(x[0]), x[0] > k
+            record.used = record.read = True
 
 
 def array_probe(array: Any) -> Any:

@@ -281,7 +281,7 @@ class RecordingIterator:
     iterator, advanced by each ``next()``, which it notes (a batch that consumes it
     reads what earlier batches left of it: it is named)."""
 
-    _read = False
+    _read = _whole = False  # a batch that consumes it is named (its own record)
     label = ""
 
     def __init__(self, inner: Any) -> None:

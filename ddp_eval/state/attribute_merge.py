@@ -153,11 +153,11 @@ def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResu
         result.assumed[label] = _UNPROBED
     decided = [_decided(op, x, adds) for op, x in events]
     if any(op == Op.COMPARED for op, _ in decided) and not _compared_alike(decided):
-        result.assumed[label] = _COMPARED_OTHERWISE
+        result.assumed[label] = COMPARED_OTHERWISE
     return decided
 
 
-_COMPARED_OTHERWISE = ("a batch compared it (if x < k, min, max) when it held another value than one process's at "
+COMPARED_OTHERWISE = ("a batch compared it (if x < k, min, max) when it held another value than one process's at "
                        "that batch (on a rank only its own batches had changed it), and the comparison gives another "
                        "answer on one process's value, so what that batch did may differ: the merge replays what "
                        "each batch did on its rank; declare the merge (ddp_eval: merge) or compare in on_stage_end")

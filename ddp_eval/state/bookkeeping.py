@@ -47,7 +47,13 @@ from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
 from ddp_eval.state._values import ELSEWHERE, is_training_machinery
-from ddp_eval.state.attribute_merge import MergeResult, last_candidates, last_writer, merge_attribute_states
+from ddp_eval.state.attribute_merge import (
+    COMPARED_OTHERWISE,
+    MergeResult,
+    last_candidates,
+    last_writer,
+    merge_attribute_states,
+)
 from ddp_eval.state.metric_merge import merge_metric_stats
 from ddp_eval.state.metrics import MetricFinder, MetricRecorder, apply_merged
 
@@ -83,7 +89,8 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
     """A value a batch set after reading an attribute that batches changed during the
     stage (``self.n_items = len(self.items)``, ``self.last = next(self.it)``) holds,
     on each rank, what that rank's batches alone made of it: it is named (a
-    conflict, left rank-local), never merged."""
+    conflict, left rank-local), never merged. What such a read may have steered
+    otherwise is named too (:func:`_name_what_a_steering_read_may_have_left_undone`)."""
     changed = {top_label(label) for label in (*result.merged, *result.conflicts)}
     changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())}
     for rank, report in enumerate(reports):
@@ -97,6 +104,27 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
                 f"a batch (on rank {rank}) set it after reading {partial}, which batches changed during the stage: "
                 "on each rank it is computed from that rank's batches only; compute it in on_stage_end from the "
                 "merged values")
+    _name_what_a_steering_read_may_have_left_undone(result, reports, changed)
+
+
+def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
+                                                    changed: set) -> None:
+    """A batch whose read gave another answer than one process's (a number whose
+    reads do not replay alike; a container or tensor other batches changed, read
+    whole) may also have left undone what one process did (``if self.n % 2:
+    self.odd.append(i)`` on a rank where ``n`` was even): every value the stage
+    watches that is not named yet is named as assumed (merged as recorded)."""
+    steering = sorted({top_label(label) for label, why in result.assumed.items() if why == COMPARED_OTHERWISE})
+    steering += sorted({label for report in reports for label in report.get("whole_reads", ()) if label in changed}
+                       - set(steering))
+    if not steering:
+        return
+    why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
+           "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
+           "batches did it; read accumulated values in on_stage_end, or declare the merge (ddp_eval: merge)")
+    named = {top_label(label) for label in (*result.conflicts, *result.assumed)}
+    for label in sorted({label for report in reports for label in report.get("watched", ())} - named):
+        result.assumed[label] = why
 
 
 def last_candidates_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, List]:
@@ -209,7 +237,10 @@ class StageBook:
         changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
         report = {"layout": describe(self.metrics, self.brain, positions), "unmergeable": unmergeable,
                   "last": last, "changed": changed, "batches": self.metrics.batches,
-                  "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()}}
+                  "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
+                  "whole_reads": sorted(self.attributes.whole_reads),
+                  "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
+                      self.metrics.objects))}
         return Collected(report, (metric_state, changes), bound)
 
     def finish_alone(self, positions: Sequence[int]) -> None:
