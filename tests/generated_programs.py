@@ -344,6 +344,11 @@ def steering_reads():
     for label, read in {"str": str, "format": lambda v: format(v, ".3g"), "hash": hash, "range": range,
                         "index a list": lambda v: [0, 1, 2, 3][v % 4], "torch.tensor": torch.tensor}.items():
         ops[f"steer by {label}(n)"] = lambda h, b, read=read: h.c_list.append(b) if steers(read(h.n)) else None
+    ops.update({  # an entry read by index
+        "steer by list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list[-1]) else None,
+        "steer by array[0]": lambda h, b: h.c_list.append(b) if steers(float(h.arr[0])) else None,
+        "steer by tensor[0]": lambda h, b: h.c_list.append(b) if steers(float(h.vec[0])) else None,
+    })
     return ops
 
 

@@ -604,6 +604,9 @@ class AttributeTracker:
             _recording.listen(self._copies, False)
             BATCH_READS.update(recorded.label for recorded in _recording.READ)
             BATCH_WHOLE.update(recorded.label for recorded in _recording.READ if recorded._whole)
+            indexed = {recorded.label for recorded in _recording.INDEXED if _recording.read_by_index(recorded)}
+            BATCH_READS.update(indexed)  # self.last = items[-1], if items[-1] > k: ...
+            BATCH_WHOLE.update(indexed)
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did: a look at the busy attributes,

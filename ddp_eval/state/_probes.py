@@ -52,6 +52,7 @@ class _Probe:
     Class defaults keep a root probe to one attribute of its own (it is made for
     every watched number before every batch)."""
 
+    _ddp_probe = True  # a list's entry that is a probe replays its own reads (ddp_eval.state._recording)
     _parent = _op = _operand = None
     _used = False  # on the origin: its value was used by something other than + and -
     _results: Tuple = ()  # on the origin: (result, parent, op, operand) of + or - giving another number type

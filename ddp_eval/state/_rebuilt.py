@@ -107,10 +107,12 @@ class _Record:
     (or its views) by ``+`` or ``-`` (``sums``) and in-place changes the merge
     cannot replay as increments (``writes``)."""
 
-    __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered")
+    __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered", "index_reads",
+                 "index_sets")
 
     def __init__(self, root: Any) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
+        self.index_reads, self.index_sets = [], set()  # an array's entries read (float(a[i])), and set again
         self.steered = None  # an empty list's growing method called after a read of it
         self.read = False  # the value itself (not an entry of it) went into another computation
         self.aliased = False  # .data was read: a change through it moves no _version
@@ -263,14 +265,19 @@ if numpy is not None:
 
         def __getitem__(self, index):
             root = _root_record(self)
+            entry = super().__getitem__(index)
             if root is not None:
                 root.sums.append(_index_key(index))  # x[i] = x[i] + 1 reads i first: an increment
-            return super().__getitem__(index)
+                if not isinstance(entry, numpy.ndarray):  # an entry out of the array: a read unless set again
+                    root.index_reads.append(_index_key(index))
+            return entry
 
         def __setitem__(self, index, value):
             root = _root_record(self)
-            if root is not None and not any(value is s for s in root.sums) and _index_key(index) not in root.sums:
-                root.writes.append("index assignment of a value not computed from it")
+            if root is not None:
+                root.index_sets.add(_index_key(index))
+                if not any(value is s for s in root.sums) and _index_key(index) not in root.sums:
+                    root.writes.append("index assignment of a value not computed from it")
             super().__setitem__(index, value)
 
         def __array_function__(self, func, types, args, kwargs):
@@ -441,7 +448,8 @@ def read_from(probe: Any, rebuilt: bool) -> bool:
     """Whether a batch used the probed value in a computation (``x.sum()``, ``y = x + 1``)
     other than rebuilding the value itself (``rebuilt``: ``x = x + y``)."""
     record = getattr(probe, "_ddp_record", None)
-    return bool(getattr(record, "read", False) or (not rebuilt and getattr(record, "results", None)))
+    return bool(getattr(record, "read", False) or (not rebuilt and getattr(record, "results", None)) or any(
+        key not in record.index_sets for key in getattr(record, "index_reads", ())))
 
 
 def read_through_data(probe: Any) -> bool:

@@ -99,6 +99,8 @@ def _noting(kind: type, name: str):
         elif LISTENING and self._depth == 0 and self.steered is None and (self._whole or (
                 self._indexed and name != "__setitem__")):
             self.steered = name  # a batch read the container's accumulated entries (or items[-1]), then grew it
+        if name == "__setitem__" and self._indexed and args:
+            self.index_sets.add(_index_key(args[0]))
         self._depth += 1
         try:
             return method(self, *args, **kwargs)
@@ -227,12 +229,30 @@ def _indexing(kind: type):
     method = kind.__getitem__
 
     def indexed(self, index):
-        if LISTENING and STEERABLE and not self._indexed:  # not a read of the whole (hist[i] += 1): not in READ
-            self._indexed = True
-            INDEXED.append(self)
-        return method(self, index)
+        entry = method(self, index)
+        if LISTENING and STEERABLE:  # not a read of the whole (hist[i] += 1): not in READ
+            if not self._indexed:
+                self._indexed, self.index_reads, self.index_sets = True, [], set()
+                INDEXED.append(self)
+            if not (type(index) is int and index >= 0 and (getattr(entry, "_ddp_probe", False) or not isinstance(
+                    entry, _VALUES))):  # a stage-start entry's probe replays its reads; nested[0].append(x) is a path
+                self.index_reads.append(_index_key(index))
+        return entry
     indexed.__name__ = "__getitem__"
     return indexed
+
+
+_VALUES = (int, float, complex, str, bytes, tuple, type(None))  # entries read for their value, not changed in place
+
+
+def _index_key(index: Any) -> Any:
+    return index if type(index) is int else repr(index)
+
+
+def read_by_index(recorded: Any) -> bool:
+    """Whether a batch read an entry of ``recorded`` (a list) by index other than to
+    set it again (``hist[i] += 1``, ``hist[i] = hist[i] + 1``): ``if items[-1] > k``."""
+    return any(key not in recorded.index_sets for key in recorded.index_reads)
 
 
 def _recording_class(kind: type) -> type:
