@@ -13,7 +13,7 @@ import torch
 
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.state._attributes import AttributeTracker
-from ddp_eval.state._probes import is_probe
+from ddp_eval.state._numbers import is_probe
 from ddp_eval.state._values import ELSEWHERE, Kind
 from ddp_eval.state.attribute_merge import merge_attribute_states
 from ddp_eval.state.bookkeeping import simulate as simulate_stage

@@ -55,7 +55,8 @@ import torch
 from ddp_eval.errors import ConfigError
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._probes import PROBED_TYPES, UNSET, plain, probe, read_changes, replay, replays_to
+from ddp_eval.state._numbers import PROBED_TYPES, plain, probe, read_changes
+from ddp_eval.state._probes import UNSET, replay, replays_to
 from ddp_eval.state._rebuilt import (
     extends,
     handed_back,
@@ -69,6 +70,7 @@ from ddp_eval.state._rebuilt import (
 )
 from ddp_eval.state._recording import (
     REMEDY,
+    BatchNotes,
     RecordingIterator,
     recording_copy,
     restore,
@@ -133,12 +135,6 @@ def resolve(root: Any, path: str) -> Tuple[Any, str]:
     return owner, name
 
 
-# What the batch under way read, read whole and set, by top-level label (see AttributeTracker.after_batch)
-BATCH_READS: set = set()
-BATCH_WHOLE: set = set()  # reads whose answer may steer what the batch does (len(items), t.sum(), n * x)
-BATCH_SETS: set = set()
-
-
 def top_label(label: str) -> str:
     """The attribute a label belongs to (``d['a']`` and ``stats.count``: ``d``, ``stats``)."""
     return label.split("[")[0].split(".")[0]
@@ -159,11 +155,12 @@ class Slot:
     """
 
     def __init__(self, label: str, owner: Any, name: Any, budget: Budget, start: Any = None,
-                 depth: int = 0) -> None:
+                 depth: int = 0, notes: Optional[BatchNotes] = None) -> None:
         self.label, self.owner, self.name, self.budget, self.depth = label, owner, name, budget, depth
+        self.notes = BatchNotes() if notes is None else notes  # the stage's: what the batch under way does
         self.start = get_value(owner, name) if start is None else start
         # a container held at stage start: a recording copy stands in for it until restore()
-        self.original, self.recorded = self.start, recording_copy(self.start)
+        self.original, self.recorded = self.start, recording_copy(self.start, self.notes)
         if self.recorded is None:
             self.original = None
         else:
@@ -237,10 +234,10 @@ class Slot:
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
-            BATCH_READS.add(top_label(self.label))  # its value went into something else
-            BATCH_WHOLE.add(top_label(self.label))
+            self.notes.reads.add(top_label(self.label))  # its value went into something else
+            self.notes.whole.add(top_label(self.label))
         if what == "set" and self.start is not ABSENT:
-            BATCH_SETS.add(top_label(self.label))
+            self.notes.sets.add(top_label(self.label))
         self.probe = None
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
@@ -287,8 +284,8 @@ class Slot:
         appended = handed_back(probe, self.obj)  # an empty list's probe: what batches appended to it
         what, data = read_rebuilt(probe, value)
         if read_from(probe, rebuilt=what == "ops"):
-            BATCH_READS.add(top_label(self.label))
-            BATCH_WHOLE.add(top_label(self.label))
+            self.notes.reads.add(top_label(self.label))
+            self.notes.whole.add(top_label(self.label))
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain tensor, array or list back
             if read_through_data(probe) and isinstance(self.watch, TensorWatch):
@@ -344,7 +341,7 @@ class Slot:
                       "cannot tell from a set made anew; add in place (s |= {x}, s.add(x)), which merges as a union")
             return True
         if self.events and not is_number(value) and not is_number(self.obj):  # set anew after rebuilds
-            BATCH_SETS.add(top_label(self.label))
+            self.notes.sets.add(top_label(self.label))
             self.events.append((batch, Op.SET, plain_value(value)))
             self.obj = value
             self.watch = BoundWatch(self, value)
@@ -357,7 +354,7 @@ class Slot:
                           "int and float; convert it with float() or int()")
                 return True
             if self.obj is not ABSENT:  # set over a value (None, or a number changed without a probe)
-                BATCH_SETS.add(top_label(self.label))
+                self.notes.sets.add(top_label(self.label))
             if empty:  # created where there was none, or bound over None (an assignment unless added to)
                 self.events.append((batch, (Op.CREATED if self.obj is ABSENT else Op.OVER_NONE) if not self.events
                                     else Op.SET, value))
@@ -379,7 +376,7 @@ class Slot:
         self.over_none = self.over_none or (self.assignments == 0 and self.start is None)
         self.assignments += 1
         if not self.created:
-            BATCH_SETS.add(top_label(self.label))
+            self.notes.sets.add(top_label(self.label))
         self.assigned_at, self.obj = batch, value
         # created where there was none: its later growth may merge; bound anew: only its last value
         self.watch = make_watch(self, value, created_at=batch if self.created else None, bound=not self.created)
@@ -552,12 +549,12 @@ class AttributeTracker:
 
     def __init__(self, targets: Mapping[str, Tuple[Any, str]], budget_mb: float = 64.0) -> None:
         self.budget = Budget(budget_mb)
+        self.notes = BatchNotes()  # what the batch under way does, noted by slots, copies and factories
         self.batches = 0
         self._piece_from = 0  # where the next journal piece starts
-        self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget)
+        self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget, notes=self.notes)
                                         for label, (owner, name) in targets.items()}
-        self._copies = list(_recording.CREATED)  # the recording copies its slots made (all, at stage start)
-        _recording.CREATED.clear()
+        self._copies = list(self.notes.created)  # the recording copies its slots made (all, at stage start)
         self.read_then_set: Dict[str, set] = {}  # label set by a batch -> labels that batch read
         self.whole_reads: set = set()  # labels batches read whole: what a read steered may be a change not made
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
@@ -574,7 +571,7 @@ class AttributeTracker:
         seen by the next :meth:`after_batch`)."""
         for label, (owner, name) in targets.items():
             if label not in self.tracks:
-                self.tracks[label] = Slot(label, owner, name, self.budget, start=ABSENT)
+                self.tracks[label] = Slot(label, owner, name, self.budget, start=ABSENT, notes=self.notes)
                 self._added.append(self.tracks[label])
 
     def before_batch(self) -> None:
@@ -585,28 +582,20 @@ class AttributeTracker:
             (self._busy if slot.busy() else self._idle).append(slot)
         for slot in self._busy:
             slot.before_batch()
-        for recorded in _recording.READ:
-            recorded._read = recorded._whole = False
-        for recorded in _recording.INDEXED:
-            recorded._indexed = False
-        _recording.READ.clear()
-        _recording.INDEXED.clear()
-        BATCH_READS.clear()
-        BATCH_WHOLE.clear()
-        BATCH_SETS.clear()
-        _recording.LISTENING = _recording.ENABLED
+        self.notes.start()
         _recording.listen(self._copies, True)
 
     def stop_listening(self) -> None:
         """The batch is over: reads of the recording containers from here on are ddp_eval's own."""
-        if _recording.LISTENING:
-            _recording.LISTENING = False
+        notes = self.notes
+        if notes.listening:
+            notes.listening = False
             _recording.listen(self._copies, False)
-            BATCH_READS.update(recorded.label for recorded in _recording.READ)
-            BATCH_WHOLE.update(recorded.label for recorded in _recording.READ if recorded._whole)
-            indexed = {recorded.label for recorded in _recording.INDEXED if _recording.read_by_index(recorded)}
-            BATCH_READS.update(indexed)  # self.last = items[-1], if items[-1] > k: ...
-            BATCH_WHOLE.update(indexed)
+            notes.reads.update(recorded.label for recorded in notes.read)
+            notes.whole.update(recorded.label for recorded in notes.read if recorded._whole)
+            indexed = {recorded.label for recorded in notes.indexed if _recording.read_by_index(recorded)}
+            notes.reads.update(indexed)  # self.last = items[-1], if items[-1] > k: ...
+            notes.whole.update(indexed)
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did: a look at the busy attributes,
@@ -619,10 +608,11 @@ class AttributeTracker:
         for slot in itertools.chain(self._idle, self._added):
             if get_value(slot.owner, slot.name) is not slot.obj:
                 slot.observe(self.batches)
-        for label in BATCH_SETS:
-            if BATCH_READS - {label}:
-                self.read_then_set.setdefault(label, set()).update(BATCH_READS - {label})
-        self.whole_reads |= BATCH_WHOLE
+        reads = self.notes.reads
+        for label in self.notes.sets:
+            if reads - {label}:
+                self.read_then_set.setdefault(label, set()).update(reads - {label})
+        self.whole_reads |= self.notes.whole
         self._added = []
         self.batches += 1
 
@@ -671,7 +661,7 @@ class AttributeTracker:
 
     def release(self) -> None:
         """Takes probes and factories out of the watched objects (see :meth:`Slot.release`)."""
-        _recording.LISTENING = False
+        self.notes.listening = False
         _recording.listen(self._copies, False)
         for slot in self.tracks.values():
             slot.release()
@@ -708,6 +698,6 @@ class AttributeTracker:
             slot = self.tracks.get(label)
             if slot is None:
                 owner, name = locate(label)
-                slot = Slot(label, owner, name, self.budget, start=ABSENT)
+                slot = Slot(label, owner, name, self.budget, start=ABSENT, notes=self.notes)
             if slot.why is None:  # an unmergeable one stays rank-local (and is reported)
                 slot.apply(kind, data, lambda label=label: last_value(label))

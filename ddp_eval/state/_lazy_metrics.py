@@ -44,7 +44,8 @@ class LazyMetricFields:
             container = getattr(self.owner, attribute, None)
             if not isinstance(container, collections.defaultdict) or container.default_factory is None:
                 continue
-            factory = self.factories.get(attribute) or taken.get(attribute) or Factory(container.default_factory)
+            factory = self.factories.get(attribute) or taken.get(attribute) or Factory(
+                container.default_factory, self.attributes.notes)
             container.default_factory = self.factories[attribute] = factory
 
     def before_batch(self) -> None:
@@ -66,7 +67,8 @@ class LazyMetricFields:
         self.metrics.fields[label] = (sub, name)
         self.metrics.slotted.setdefault(sub_path, set()).add(name)
         self.metrics.unmerged.pop((sub_path, name), None)
-        slot = self.attributes.tracks[label] = Slot(label, sub, name, self.attributes.budget, start=ABSENT)
+        slot = self.attributes.tracks[label] = Slot(label, sub, name, self.attributes.budget, start=ABSENT,
+                                                       notes=self.attributes.notes)
         value = vars(sub).get(name, ABSENT)
         made = factory.field_origin(sub, value) if factory is not None else None
         if made is not None:

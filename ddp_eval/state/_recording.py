@@ -39,6 +39,7 @@ import io
 import types
 from typing import Any, Dict, FrozenSet, List, Optional
 
+from ddp_eval.state._numbers import probe
 from ddp_eval.state._values import as_builtin
 
 _FROZEN = {list: tuple, bytearray: bytes, set: frozenset, dict: types.MappingProxyType, collections.deque: tuple}
@@ -64,11 +65,44 @@ REMEDY = {
 }
 ENABLED = True  # the operations seen and the stage-end checks by value; tests switch them off to show they matter
 STEERABLE = True  # a container grown after a batch read it whole is named (tests switch it off)
-LISTENING = False  # while a batch runs: reads of recording copies are noted in READ
-READ: list = []  # the recording copies a batch read (each once)
-INDEXED: list = []  # the lists a batch read by index (each once)
 TYPES = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict, collections.defaultdict,
          bytearray)
+
+
+class BatchNotes:
+    """What the batch under way does, for one stage: its attribute tracker makes
+    one and hands it to each recording copy, probe factory and slot it makes.
+
+    ``listening`` while a batch runs; ``read`` and ``indexed``: the recording copies
+    the batch read (each once), and read by index; ``created``: the copies made
+    for it; by top-level label, ``reads`` (values that went into another),
+    ``whole`` (reads whose answer may steer the batch: ``len(items)``,
+    ``t.sum()``) and ``sets`` (values the batch set) (see
+    :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
+
+    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets")
+
+    def __init__(self) -> None:
+        self.listening = False
+        self.read: list = []
+        self.indexed: list = []
+        self.created: list = []
+        self.reads: set = set()
+        self.whole: set = set()
+        self.sets: set = set()
+
+    def start(self) -> None:
+        """A batch starts: what the previous one noted is forgotten."""
+        for recorded in self.read:
+            recorded._read = recorded._whole = False
+        for recorded in self.indexed:
+            recorded._indexed = False
+        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets):
+            noted.clear()
+        self.listening = ENABLED
+
+
+QUIET = BatchNotes()  # a copy's notes until a tracker hands it its own: never listening
 
 
 def _builtin(kind: type) -> type:
@@ -96,7 +130,7 @@ def _noting(kind: type, name: str):
     def noted(self, *args, **kwargs):
         if self._depth == 0 and name not in self._grows and name not in self.ops:
             self.ops.append(name)  # each name once: a sort per batch keeps one entry, not one a batch
-        elif LISTENING and self._depth == 0 and self.steered is None and (self._whole or (
+        elif self._notes.listening and self._depth == 0 and self.steered is None and (self._whole or (
                 self._indexed and name != "__setitem__")):
             self.steered = name  # a batch read the container's accumulated entries (or items[-1]), then grew it
         if name == "__setitem__" and self._indexed and args:
@@ -105,7 +139,8 @@ def _noting(kind: type, name: str):
         try:
             return method(self, *args, **kwargs)
         except Exception as error:  # on this rank's entries; with every rank's, in one process, it may not raise
-            if LISTENING and self._depth == 1 and self.raised is None and not isinstance(error, TypeError):
+            if self._notes.listening and self._depth == 1 and self.raised is None and not isinstance(
+                    error, TypeError):
                 self.raised = f"{name}() raised {type(error).__name__}"
             raise
         finally:
@@ -118,7 +153,8 @@ class _Recording:
     """What every recording class shares: the names of the operations noted."""
 
     _depth = 0
-    _read = False  # read by the batch under way (see READ)
+    _notes = QUIET  # the stage's (see BatchNotes)
+    _read = False  # read by the batch under way (see BatchNotes.read)
     _whole = False  # ... as a whole (len, iteration, a comparison): what the batch adds after may depend on it
     _indexed = False  # a list read by index (items[-1]): an append after it may depend on it, hist[i] += 1 not
     raised = None  # a changing method that raised during a batch
@@ -169,7 +205,6 @@ def _handing_probe(method):
     def handing(self, key, default=None):
         if not dict.__contains__(self, key):
             if type(default) in (int, float):
-                from ddp_eval.state._probes import probe  # (an import cycle at module level)
                 default = probe(default)
                 self.handed[id(default)] = default
             elif type(default) in (list, dict, set) and not default:  # setdefault(k, []).append(x)
@@ -188,9 +223,9 @@ def _keeping_result(kind: type, name: str):
     method = getattr(kind, name)
 
     def keeping(self, *args, **kwargs):
-        if LISTENING and not self._read:
+        if self._notes.listening and not self._read:
             self._read = True
-            READ.append(self)
+            self._notes.read.append(self)
         result = method(self, *args, **kwargs)
         self.built.append(result)
         return result
@@ -215,10 +250,11 @@ def _reading(kind: type, name: str):
     whole = _builtin(kind) is list or name not in _ENTRY_READS
 
     def read(self, *args, **kwargs):
-        if LISTENING and not self._read:  # a batch read what batches accumulate
+        notes = self._notes
+        if notes.listening and not self._read:  # a batch read what batches accumulate
             self._read = True
-            READ.append(self)
-        if LISTENING and whole and STEERABLE:
+            notes.read.append(self)
+        if notes.listening and whole and STEERABLE:
             self._whole = True
         return method(self, *args, **kwargs)
     read.__name__ = name
@@ -230,10 +266,10 @@ def _indexing(kind: type):
 
     def indexed(self, index):
         entry = method(self, index)
-        if LISTENING and STEERABLE:  # not a read of the whole (hist[i] += 1): not in READ
+        if self._notes.listening and STEERABLE:  # not a read of the whole (hist[i] += 1): not in read
             if not self._indexed:
                 self._indexed, self.index_reads, self.index_sets = True, [], set()
-                INDEXED.append(self)
+                self._notes.indexed.append(self)
             if not (type(index) is int and index >= 0 and (getattr(entry, "_ddp_probe", False) or not isinstance(
                     entry, _VALUES))):  # a stage-start entry's probe replays its reads; nested[0].append(x) is a path
                 self.index_reads.append(_index_key(index))
@@ -284,7 +320,6 @@ def _recording_class(kind: type) -> type:
 
 _CLASSES = {kind: _recording_class(kind)[0] for kind in TYPES}
 globals().update({cls.__name__: cls for quiet in _CLASSES.values() for cls in (quiet, quiet._listening)})
-CREATED: list = []  # recording copies made since their attribute tracker took them (see listen)
 
 
 def listen(copies: list, on: bool) -> None:
@@ -301,20 +336,21 @@ class RecordingIterator:
     iterator, advanced by each ``next()``, which it notes (a batch that consumes it
     reads what earlier batches left of it: it is named)."""
 
+    __slots__ = ("_notes", "__dict__")  # the stage's notes out of its __dict__, which ddp_eval's watch reads
     _read = _whole = False  # a batch that consumes it is named (its own record)
     label = ""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.consumed = inner, False
+    def __init__(self, inner: Any, notes: BatchNotes) -> None:
+        self.inner, self.consumed, self._notes = inner, False, notes
 
     def __iter__(self) -> "RecordingIterator":
         return self
 
     def __next__(self) -> Any:
         self.consumed = True
-        if LISTENING and not self._read:
+        if self._notes.listening and not self._read:
             self._read = True
-            READ.append(self)
+            self._notes.read.append(self)
         return next(self.inner)
 
     def __getattr__(self, name: str) -> Any:  # send(), close(), gi_frame, ...
@@ -324,16 +360,18 @@ class RecordingIterator:
         return self.inner.__reduce_ex__(protocol)
 
 
-def recording_copy(value: Any) -> Optional[Any]:
+def recording_copy(value: Any, notes: Optional[BatchNotes] = None) -> Optional[Any]:
     """A recording copy of a container of one of :data:`TYPES` (exactly that type), a
-    :class:`RecordingIterator` for an iterator that is not a file; else None."""
+    :class:`RecordingIterator` for an iterator that is not a file, noting into
+    ``notes`` (which keeps it in ``created``); else None."""
     if not ENABLED:
         return None
+    notes = BatchNotes() if notes is None else notes
     cls = _CLASSES.get(type(value))
     if cls is None:
         if isinstance(value, collections.abc.Iterator) and not isinstance(value, io.IOBase):
-            CREATED.append(RecordingIterator(value))
-            return CREATED[-1]
+            notes.created.append(RecordingIterator(value, notes))
+            return notes.created[-1]
         return None
     builtin = _builtin(type(value))
     if type(value) is collections.defaultdict:
@@ -343,19 +381,19 @@ def recording_copy(value: Any) -> Optional[Any]:
         copy._grows = frozenset() if value.maxlen is not None else copy._grows  # appends drop entries: named
     else:
         copy = cls()
-    copy.ops, copy.handed, copy.built = [], {}, []
+    copy.ops, copy.handed, copy.built, copy._notes = [], {}, [], notes
     _fill(copy, value, type(value))
-    CREATED.append(copy)
+    notes.created.append(copy)
     return copy
 
 
-def listening_copy(value: list, label: str) -> Any:
+def listening_copy(value: list, label: str, notes: BatchNotes = QUIET) -> Any:
     """A recording copy of a list that notes its operations from now on, outside any
     attribute tracker (the lists of a metric object a ``defaultdict`` makes during
     the stage, ``label`` naming them where a batch reads them); ``list(copy)`` is
     the plain list back."""
     copy = _CLASSES[list]._listening(value)
-    copy.ops, copy.handed, copy.built, copy.label = [], {}, [], label
+    copy.ops, copy.handed, copy.built, copy.label, copy._notes = [], {}, [], label, notes
     return copy
 
 

@@ -13,7 +13,7 @@ what stays visible (docs/exactness.md).
 Example
 -------
 >>> import io, torch, yaml
->>> from ddp_eval.state._probes import probe
+>>> from ddp_eval.state._numbers import probe
 >>> n = probe(3)
 >>> yaml.safe_dump({"n": n}), json.dumps(n)
 ('n: 3\\n', '3')
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import yaml
 
-from ddp_eval.state._probes import _Probe
+from ddp_eval.state._numbers import _Probe
 from ddp_eval.state._rebuilt import ArrayProbe, TensorProbe, _EmptyProbe
 from ddp_eval.state._recording import _Recording
 from ddp_eval.state._values import as_builtin

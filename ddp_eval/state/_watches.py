@@ -39,8 +39,9 @@ import torch
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain
 from ddp_eval.state._order import as_chunks, growth_since, packed
-from ddp_eval.state._probes import PROBED_TYPES, Factory, is_probe, origin_of, plain
+from ddp_eval.state._probes import Factory
 from ddp_eval.state._values import (
     ABSENT,
     MAX_DEPTH,
@@ -264,7 +265,8 @@ class ListWatch(Watch):
 def _entry(watch: Watch, key: Any, start: Any) -> Any:
     """A slot for one entry of a watched dict or list."""
     slot = watch.slot
-    return type(slot)(f"{slot.label}[{key!r}]", watch.obj, key, slot.budget, start=start, depth=slot.depth + 1)
+    return type(slot)(f"{slot.label}[{key!r}]", watch.obj, key, slot.budget, start=start, depth=slot.depth + 1,
+                      notes=slot.notes)
 
 
 def _idle_moved(watch: Any, value: Any) -> bool:
@@ -345,7 +347,7 @@ class DictWatch(Watch):
                           ] if created_at is None else []  # references and fingerprints, compared at stage end
         self.factory = None
         if isinstance(obj, collections.defaultdict) and obj.default_factory is not None:
-            self.factory = obj.default_factory = Factory(obj.default_factory)
+            self.factory = obj.default_factory = Factory(obj.default_factory, slot.notes)
         if created_at is not None and obj:
             self.observe(created_at, obj)
 

@@ -41,8 +41,9 @@ Example
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ddp_eval.state._declared import REDUCTIONS, reduce_values
+from ddp_eval.state._numbers import compared_alike
 from ddp_eval.state._order import in_global_order
-from ddp_eval.state._probes import UNSET, compared_alike, replay
+from ddp_eval.state._probes import UNSET, replay
 from ddp_eval.state._values import OVER_NONE_ONCE, Change, Kind, Op
 
 Merged = Tuple[Kind, Any]

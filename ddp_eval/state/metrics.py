@@ -55,8 +55,8 @@ from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 from ddp_eval import sb_compat
 from ddp_eval.errors import ConfigError
 from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._numbers import plain
 from ddp_eval.state._order import growth_since, packed
-from ddp_eval.state._probes import plain
 from ddp_eval.state._recording import is_recording, unmergeable_operations
 from ddp_eval.state._values import is_number
 from ddp_eval.state.metric_merge import merge_metric_stats  # noqa: F401 - also public here

@@ -1,0 +1,239 @@
+"""Telling ``n += x`` from ``n = x`` for numbers, by what a batch does to them.
+
+A number has no identity to watch: ``+=`` and ``=`` both bind a new object.
+Before each batch of a sharded stage, the tracker puts a *probe* in place of a
+watched ``int`` or ``float``: an instance of a subclass of it, equal to it.
+Adding to or subtracting from a probe gives another probe that remembers the
+operation; any other use of its value in a computation (a comparison, a
+product, a truth test) is noted. After the batch, :func:`read_changes` looks at
+what the attribute holds:
+
+* the probe itself: unchanged;
+* a probe descended from it: the chain of ``+`` and ``-`` (``n += x``,
+  ``n -= x``, ``n = n + x``), replayed at the merge in global batch order,
+  which gives one process's value bit for bit;
+* another number, from a probe whose value was not otherwise used: ``n = x``;
+* another number, from a probe whose value was used (``max(n, x)``, ``n * 0.9
+  + x``, ``if n > x: n = x``): the new value may depend on the old one, and
+  cannot be merged (the tracker names it).
+
+A probe pickles, copies and prints as the plain number.
+
+Example
+-------
+>>> root = probe(2)
+>>> n = root + 3
+>>> n -= 1
+>>> read_changes(root, n)
+('ops', [('+', 3), ('-', 1)])
+>>> read_changes(root, 7), read_changes(root, root)
+(('set', 7), ('same', None))
+>>> used = probe(1.5)
+>>> read_changes(used, max(used, 4.0))
+('derived', 4.0)
+>>> type(plain(n)) is int and plain(n) == 4
+True
+"""
+
+import inspect
+from typing import Any, List, Optional, Tuple
+
+from ddp_eval.state._values import Op, as_builtin
+
+PROBED_TYPES = (int, float, str, bytes)
+
+
+class _Probe:
+    """What the two probe classes share; ``_origin`` is the batch's first probe.
+    Class defaults keep a root probe to one attribute of its own (it is made for
+    every watched number before every batch)."""
+
+    _ddp_probe = True  # a list's entry that is a probe replays its own reads (ddp_eval.state._recording)
+    _parent = _op = _operand = None
+    _used = False  # on the origin: its value was used by something other than + and -
+    _results: Tuple = ()  # on the origin: (result, parent, op, operand) of + or - giving another number type
+
+    _compared: Tuple = ()  # on the origin: a list of (name, operand, result), a comparison each (compared_alike)
+    _derived = False  # on the origin: a value was computed from it by + or -
+    _read = False  # on the origin: its value went into another one by more than a comparison
+
+    def _derive(self, op: str, operand: Any, result: Any) -> Any:
+        origin = self._origin
+        origin._derived = True
+        if type(result) in _CLASSES:
+            child = _CLASSES[type(result)](result)
+            child._origin, child._parent, child._op, child._operand = origin, self, op, operand
+            return child
+        if isinstance(result, (int, float)) and not isinstance(result, bool):  # e.g. numpy.float64
+            origin._results = origin._results + ((result, self, op, operand),)
+        else:
+            origin._used = True  # a tensor or array: not a number any more
+        return result
+
+    def __add__(self, other):
+        if isinstance(self, (str, bytes)):  # s += line: concatenation, replayed in global batch order
+            return self._derive(Op.CONCAT, other, _value(self) + other)
+        return self._derive(Op.ADD, other, _value(self) + other)
+
+    def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
+        if isinstance(self, (str, bytes)):  # prefix + s: not replayed
+            self._origin._used = True
+            return other + _value(self)
+        return self._derive(Op.ADD, other, other + _value(self))
+
+    def __sub__(self, other):
+        return self._derive(Op.SUBTRACT, other, _value(self) - other)
+
+    def __reduce__(self):  # pickles, copies and saves as the plain number (a read of its value)
+        self._origin._used = self._origin._read = True
+        return as_builtin, (_base(self).__name__, _value(self))
+
+
+_COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__")
+
+
+_REPLAYABLE = (int, float, bool, str, type(None))
+
+
+def _used(name: str):
+    """A method of the base type that also notes that the probe's value was used.
+    A read of the batch-start value with plain operands (``n % 2``, ``n > k``,
+    ``f"{n}"``, ``d[n]``) is kept as ``(name, operands, result)``, replayed at the
+    merge on one process's value (:func:`compared_alike`); any other read (of a
+    value the batch changed, or with a tensor) is kept as None and, but for a
+    comparison, notes that the value went into another one (``_read``)."""
+    comparison = name in _COMPARISONS
+
+    def method(self, *args):
+        origin = self._origin
+        origin._used = True
+        result = getattr(_base(self), name)(self, *args)
+        replayable = self is origin and all(type(a) in _REPLAYABLE for a in args)
+        if not (replayable or comparison):
+            origin._read = True
+        if not origin._compared:
+            origin._compared = []
+        origin._compared.append((name, tuple(plain(a) for a in args), result) if replayable else None)
+        return result
+    method.__name__ = name
+    return method
+
+
+def compared_alike(comparisons: Tuple, value: Any) -> bool:
+    """Whether the reads a batch made of its value at batch start (``(name,
+    operands, result)``; None: of a value it had changed, or with another operand)
+    give the same results on ``value``, one process's value at that batch.
+
+    Example
+    -------
+    >>> x = probe(0.0)
+    >>> _ = min(x, 0.3)
+    >>> compared_alike(x._compared, 0.0), compared_alike(x._compared, 0.5)
+    (True, False)
+    >>> n = probe(3)
+    >>> _ = n % 2, n > 1
+    >>> compared_alike(n._compared, 5), compared_alike(n._compared, 4)
+    (True, False)
+    """
+    return all(c is not None and _same(getattr(_base(value), c[0])(value, *c[1]), c[2]) for c in comparisons)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # NaN is NaN
+
+
+_USES = ("__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__",
+         "__mod__", "__rmod__", "__pow__", "__rpow__", "__divmod__", "__neg__", "__abs__", "__lt__", "__le__",
+         "__gt__", "__ge__", "__eq__", "__ne__", "__bool__", "__round__", "__trunc__", "__floor__", "__ceil__")
+# a number's value read whole: converted (float(n), range(n), items[n], torch.tensor(n)),
+# printed (f"{n}", str(n)) or used as a key (d[n])
+_NUMBER_READS = ("__int__", "__float__", "__index__", "__format__", "__str__", "__repr__", "__hash__")
+
+
+def _uses(base: type) -> List[str]:
+    """What reads a probe's value: for numbers, :data:`_USES`; for strings and
+    bytes, every method of the type but ``+`` (``+=`` is concatenation,
+    replayed), taken from ``dir()``."""
+    if base in (int, float):
+        return [name for name in _USES + _NUMBER_READS if hasattr(base, name)]
+    own = (name for name in dir(base) if name not in ("__add__", "__getnewargs__", "__hash__", "__bytes__", "__str__")
+           and (name not in dir(object) or name in _USES))
+    return [name for name in own if type(inspect.getattr_static(base, name)).__name__ in _METHOD_KINDS]
+
+
+_METHOD_KINDS = ("method_descriptor", "wrapper_descriptor")  # not static or class methods
+
+
+def _probe_class(base: type) -> type:
+    namespace = {"__hash__": base.__hash__, **{name: _used(name) for name in _uses(base)}}
+    return type(f"{base.__name__.capitalize()}Probe", (_Probe, base), namespace)
+
+
+IntProbe, FloatProbe, StrProbe, BytesProbe = (_probe_class(kind) for kind in PROBED_TYPES)
+_CLASSES = {int: IntProbe, float: FloatProbe, str: StrProbe, bytes: BytesProbe}
+
+
+def _base(value: Any) -> type:
+    return next(kind for kind in (float, str, bytes, int) if isinstance(value, kind))
+
+
+# a probe's plain value by the base type's own copy (float(p) would call the probe's
+# __float__, a read the recipe did not make)
+_PLAIN = {int: int.__pos__, float: float.__pos__, str: str.__str__, bytes: lambda b: bytes.__getitem__(b, slice(None))}
+
+
+def _value(probe: Any) -> Any:
+    return _PLAIN[_base(probe)](probe)
+
+
+def probe(value: Any) -> Any:
+    """A probe equal to ``value`` (an ``int`` or ``float``, not a subclass)."""
+    root = _CLASSES[type(value)](value)
+    root._origin = root
+    return root
+
+
+def is_probe(value: Any) -> bool:
+    return isinstance(value, _Probe)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as a plain ``int`` or ``float`` if it is a probe; else itself."""
+    return _value(value) if isinstance(value, _Probe) else value
+
+
+def _chain(node: Any, root: _Probe) -> Optional[List[Tuple[str, Any]]]:
+    ops = []
+    while node is not root:
+        if not isinstance(node, _Probe) or node._origin is not root or node._parent is None:
+            return None
+        ops.append((node._op, plain(node._operand)))
+        node = node._parent
+    return ops[::-1]
+
+
+def read_changes(root: _Probe, value: Any) -> Tuple[str, Any]:
+    """What a batch did to a number, from the probe put in place before it
+    (``root``) and what the attribute holds after it (``value``):
+    ``("same", None)``, ``("ops", [(op, operand), ...])``, ``("set", number)``
+    or ``("derived", number)``."""
+    if value is root:
+        return "same", None
+    ops = _chain(value, root)
+    if ops is None:
+        for result, parent, op, operand in root._results:  # the last step made a non-wrappable number
+            if result is value:
+                before = _chain(parent, root)
+                ops = None if before is None else before + [(op, plain(operand))]
+                break
+    if ops is not None:
+        return "ops", ops
+    return ("derived" if root._used else "set"), plain(value)
+
+
+def origin_of(root: _Probe, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
+    """``(initial value, ops)`` of a number that started as probe ``root`` (handed
+    out by a factory or a ``get`` default) and became ``value`` by + and - (None:
+    set or derived otherwise)."""
+    what, data = read_changes(root, value)
+    return (plain(root), data if what == "ops" else []) if what in ("ops", "same") else None
