@@ -88,11 +88,9 @@ class StageReport:
         messages = []
         if conflicts:
             messages.append(f"ddp_eval: at the end of the sharded {self.stage} stage, these attributes could not "
-                            "be merged, so each rank keeps its own value: "
-                            + "; ".join(f"'{label}': {why}" for label, why in sorted(conflicts.items())) + ".")
+                            "be merged, so each rank keeps its own value: " + _by_reason(conflicts) + ".")
         if assumed:
-            messages.append(f"ddp_eval: at the end of the sharded {self.stage} stage, "
-                            + "; ".join(f"'{label}': {why}" for label, why in sorted(assumed.items())) + ".")
+            messages.append(f"ddp_eval: at the end of the sharded {self.stage} stage, " + _by_reason(assumed) + ".")
         self._emit(messages)
 
     def warn_effects(self) -> None:
@@ -147,3 +145,17 @@ def _first_seen(per_rank: List[Dict[str, str]]) -> str:
         for name, why in report.items():
             found.setdefault(name, f"{why} (first seen on rank {rank})")
     return "; ".join(f"'{name}': {why}" for name, why in sorted(found.items()))
+
+
+def _by_reason(named: Mapping[str, str]) -> str:
+    """``'a', 'b': why; 'c': why2``: the labels that share a reason, with it once.
+
+    Example
+    -------
+    >>> _by_reason({"b": "x", "a": "x", "c": "y"})
+    "'a', 'b': x; 'c': y"
+    """
+    labels: dict = {}
+    for label, why in sorted(named.items()):
+        labels.setdefault(why, []).append(f"'{label}'")
+    return "; ".join(f"{', '.join(found)}: {why}" for why, found in labels.items())

@@ -55,7 +55,7 @@ import torch
 from ddp_eval.errors import ConfigError
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._numbers import PROBED_TYPES, plain, probe, read_changes
+from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probe, read_changes
 from ddp_eval.state._probes import UNSET, replay, replays_to
 from ddp_eval.state._rebuilt import (
     extends,
@@ -183,6 +183,7 @@ class Slot:
         self.quiet = 0  # batches in a row that did not change it (a dict entry)
         self.probe = None
         self.rebuilt_probe = None  # a tensor's or array's probe during a batch (ddp_eval.state._rebuilt)
+        self.compared = False  # a batch compared it (if it is named, what the comparison steered may differ)
         self.over_none = False  # the first binding was over None (an assignment, not a creation)
         self.told_set = False  # this batch's probe saw a new value bound, the old one unused
         self.watch = make_watch(self, self.start)
@@ -194,13 +195,19 @@ class Slot:
     def busy(self) -> bool:
         """Whether it needs a look at every batch (a number with probes, a container,
         a tensor or an array); otherwise its identity tells whether a batch changed it."""
-        return self.why is None and ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj)
+        if self.why is not None:  # named, left rank-local: a batch that reads it still reads a rank's value
+            return type(self.obj) in PROBED_TYPES or type(self.obj) in _PROBED_ARRAYS
+        return ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj)
                                      or isinstance(self.watch, (ObjectWatch, StreamWatch))
                                      or (type(self.obj) is tuple and not self.obj))  # an empty tuple's probe
 
     def before_batch(self) -> None:
         """Puts a probe in place of a number (or lets dict entries do so)."""
-        if self.why is not None:
+        if self.why is not None:  # named: its probe only tells whether the batch read it
+            self.probe = probe(self.obj) if type(self.obj) in PROBED_TYPES else None
+            self.rebuilt_probe = None if self.probe is not None else make_probe(self.obj)
+            if self.probe is not None or self.rebuilt_probe is not None:
+                set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
         if type(self.obj) in PROBED_TYPES and self.hot:
             self.probe = probe(self.obj)
@@ -215,6 +222,7 @@ class Slot:
     def observe(self, batch: int) -> None:
         """Notes what batch ``batch`` did (O(1) for all but changed tensors and small dicts)."""
         if self.why is not None:
+            self._observe_reads()
             return
         value = get_value(self.owner, self.name)
         if value is ABSENT:
@@ -228,11 +236,25 @@ class Slot:
             changed = self.watch.observe(batch, value) if value is self.obj else self._bind(batch, value)
         self.changed_batches += bool(changed)
 
+    def _observe_reads(self) -> None:
+        """A named value (left rank-local): a batch that read it (a comparison, a
+        use, ``t.sum()``) read what its rank alone made of it; the plain value back."""
+        held, self.probe, self.rebuilt_probe = self.probe if self.probe is not None else self.rebuilt_probe, None, None
+        if held is None:
+            return
+        value = get_value(self.owner, self.name)
+        record = getattr(held, "_ddp_record", None)
+        if (held._used or held._derived) if is_probe(held) else (read_from(held, rebuilt=False) or record.used):
+            self.notes.whole.add(top_label(self.label))
+        self.obj = self.obj if value is held else (plain(value) if is_probe(value) else plain_value(value))
+        set_value(self.owner, self.name, self.obj)
+
     def _observe_number(self, batch: int, value: Any) -> Optional[bool]:
         what, data = read_changes(self.probe, value)
         if self.probe._compared and is_number(self.obj) and _recording.ENABLED:  # if x < k: ..., min(x, k)
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
+            self.compared = True
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
             self.notes.reads.add(top_label(self.label))  # its value went into something else
             self.notes.whole.add(top_label(self.label))
@@ -267,6 +289,8 @@ class Slot:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
         (``changed`` None: see the watch, or a new object bound)."""
         probe, self.rebuilt_probe = self.rebuilt_probe, None
+        if read_from(probe, rebuilt=True):  # its value used (t.sum(), float(t[0])), noted before any failure below
+            self.notes.whole.add(top_label(self.label))
         growth = getattr(getattr(probe, "_ddp_record", None), "steered", None)
         if growth is not None:  # an empty list read, then grown: this rank's entries kept, named
             handed_back(probe, self.obj)
@@ -510,7 +534,8 @@ def _replay_is_cheap(value: Any, events: int) -> bool:
     return size is not None and size * events <= REPLAY_ELEMENTS
 
 
-_PROBED_CONTAINERS = {torch.Tensor, list, tuple} | ({numpy.ndarray} if numpy is not None else set())
+_PROBED_ARRAYS = {torch.Tensor} | ({numpy.ndarray} if numpy is not None else set())
+_PROBED_CONTAINERS = _PROBED_ARRAYS | {list, tuple}
 
 _WATCHES = {Kind.UNION: SetWatch, Kind.APPEND: (ListWatch, StreamWatch), Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch,
             Kind.SUM: (TensorWatch, ArrayWatch), Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}
@@ -622,6 +647,8 @@ class AttributeTracker:
         self.stop_listening()  # the reads and writes from here on are ddp_eval's
         for slot in self.tracks.values():
             slot.finish(self.batches)
+            if slot.why is not None and getattr(slot, "compared", False):  # compared, left rank-local: unchecked
+                self.whole_reads.add(top_label(slot.label))
         positions = list(positions[: self.batches]) + [math.inf]
         changes, unmergeable = {}, {}
         for label in sorted(self.tracks):

@@ -107,6 +107,9 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
     _name_what_a_steering_read_may_have_left_undone(result, reports, changed)
 
 
+NAME_WHAT_READS_STEER = True  # tests switch it off to show that it matters
+
+
 def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
                                                     changed: set) -> None:
     """A batch whose read gave another answer than one process's (a number whose
@@ -114,6 +117,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     whole) may also have left undone what one process did (``if self.n % 2:
     self.odd.append(i)`` on a rank where ``n`` was even): every value the stage
     watches that is not named yet is named as assumed (merged as recorded)."""
+    if not NAME_WHAT_READS_STEER:
+        return
     steering = sorted({top_label(label) for label, why in result.assumed.items() if why == COMPARED_OTHERWISE})
     steering += sorted({label for report in reports for label in report.get("whole_reads", ()) if label in changed}
                        - set(steering))
