@@ -26,7 +26,7 @@ from typing import Any, Dict, Mapping, Tuple
 from ddp_eval.state._attributes import AttributeTracker, Slot
 from ddp_eval.state._probes import Factory
 from ddp_eval.state._values import ABSENT
-from ddp_eval.state.metrics import MetricRecorder, field_targets
+from ddp_eval.state.metrics import MetricRecorder, all_flat, field_targets
 
 
 class LazyMetricFields:
@@ -83,6 +83,16 @@ class LazyMetricFields:
         self.metrics.fields.update({label: where for label, where in found.items() if label not in
                                     self.metrics.fields})
         return found
+
+    def rebound(self, objects: Mapping[str, Any]) -> Dict[str, str]:
+        """``{path.field: why}`` of the list fields of metric objects a factory made
+        that a batch replaced by another list: a sort or a cut, which no record replays."""
+        paths = {id(obj): path for path, obj in all_flat(objects)}
+        return {f"{paths.get(id(obj), type(obj).__name__)}.{name}": (
+            "a batch bound a new list to this field of a metric object made during the stage (a sort, a cut: "
+            "self.ids = sorted(...)[:k]), which ddp_eval cannot replay in one process's order: append to its "
+            "lists, and sort or cut them in on_stage_end") for factory in self.factories.values()
+            for obj, name in factory.rebound()}
 
     def release(self) -> None:
         """The original factories back; plain numbers in what they made."""

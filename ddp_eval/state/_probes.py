@@ -100,7 +100,7 @@ class Factory:
     def __init__(self, original, notes: Optional[BatchNotes] = None) -> None:
         self.original, self.notes = original, QUIET if notes is None else notes
         self.made: dict = {}  # id -> (object, probe or None, {field: probe}), of this batch
-        self.lists: list = []  # (object, field) of the recording copies it put in, for the whole stage
+        self.lists: list = []  # (object, field, copy) of the recording copies it put in, for the whole stage
 
     def __call__(self):
         value = self.original()
@@ -114,7 +114,7 @@ class Factory:
                     fields[name] = own[name] = probe(field)
                 elif type(field) is list and not field and is_metric_object(handed):  # its sort, insert: seen
                     own[name] = listening_copy(field, f"{type(handed).__name__}.{name}", self.notes)
-                    self.lists.append((handed, name))
+                    self.lists.append((handed, name, own[name]))
         self.made[id(handed)] = (handed, root, fields)
         return handed
 
@@ -135,9 +135,14 @@ class Factory:
                 if isinstance(field, _Probe):
                     obj.__dict__[name] = plain(field)
 
+    def rebound(self) -> List[Tuple[Any, str]]:
+        """``(object, field)`` of the lists it put in that a batch replaced by another
+        list (``self.ids = sorted(...)[:5]`` in a metric object's ``append``)."""
+        return [(obj, name) for obj, name, copy in self.lists if obj.__dict__.get(name) is not copy]
+
     def plain_lists(self) -> None:
         """Plain lists back in place of the recording copies it put in (stage end)."""
-        for obj, name in self.lists:
+        for obj, name, _ in self.lists:
             field = obj.__dict__.get(name)
             if is_recording(field):
                 obj.__dict__[name] = list(field)

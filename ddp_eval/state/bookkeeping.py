@@ -231,6 +231,7 @@ class StageBook:
         metric_state = self.metrics.finish(self.brain, positions)
         changes, unmergeable = self.attributes.finish(positions)
         unmergeable.update(self.metrics.unexplained())
+        unmergeable.update(self.lazy.rebound(self.metrics.objects))
         bound, last = {}, {}
         objects = self.attributes.bound_objects()
         for path, position in last_candidates(changes).items():
