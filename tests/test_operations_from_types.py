@@ -261,6 +261,9 @@ def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeyp
 # method dir() gives for int, float, list and torch.Tensor, and the builtins that read a value whole
 CHANGES = ["+= int", "+= float", "list.append", "list.__setitem__", "Tensor.add_", "Tensor.mul_", "numpy.add(out=)"]
 STEERED = sorted(grammar.STEERING_READS) + CHANGES
+# one read of each kind, for the switched-off property (found in seconds, not among 322 operations)
+STEERED_FEW = ["steer by int.__mod__", "steer by str(n)", "steer by Tensor.sum", "steer by list.count",
+               "steer by list[-1]", "steer by tensor[0]"] + CHANGES
 
 
 @pytest.mark.fast
@@ -276,7 +279,7 @@ def test_without_naming_what_a_read_steers_the_property_fails(monkeypatch):
     switched off, hypothesis finds a program whose value is silently wrong."""
     from ddp_eval.state import bookkeeping
 
-    _fails_when_switched_off(monkeypatch, bookkeeping, "NAME_WHAT_READS_STEER", STEERED)
+    _fails_when_switched_off(monkeypatch, bookkeeping, "NAME_WHAT_READS_STEER", STEERED_FEW)
 
 
 # Programs the 10,000-program run by hand found silently wrong (docs/testing.md), kept as cases
