@@ -143,3 +143,25 @@ def test_the_stage_loss_is_one_process_running_average_bit_for_bit(tmp_path):
     assert {out["error"] for out in first} <= {"Interrupted", "RankFailedError"}
     for out in results(run_ranks(workers.uneven_test_losses, 3, folder, [97], timeout=120)):
         assert out["losses"] == want[:1]
+
+
+def test_what_only_the_interrupted_run_did_is_named_after_the_resume(tmp_path):
+    """The interrupted run's batches (journaled) read ``len(self.first)`` before
+    extending it and sorted ``ranked`` in place; the resumed run's batches do
+    neither. Both are named after the resume, as in a run without interruption
+    (the journal pieces carry what no merge replays); the rest stays exact."""
+    workers.save_test_checkpoint(tmp_path)
+    reference = workers.plain_test(tmp_path)
+    cls = workers.ReadsBeforeTheInterruption
+    first = results(run_ranks(workers.resumable_test, 2, str(tmp_path), 2, 2, False, None, True, cls, timeout=120))
+    assert {o.get("error") for o in first} <= {"Interrupted", "RankFailedError"}
+    resumed = results(run_ranks(workers.resumable_test, 3, str(tmp_path), None, 2, False, None, False, cls,
+                                timeout=120))
+    for out in resumed:
+        assert_as_one_process(out, reference)
+    notes = " ".join(resumed[0]["notes"])
+    resumes = "(in a batch of the interrupted run this stage resumes)"
+    assert "then called extend() on it" in notes and "'first': a batch read this list's accumulated entries" in notes
+    assert "'ranked': a batch changed it in place by sort()" in notes
+    assert notes.count(resumes) == 2, notes
+    assert "batches read ['first'] when it held, on their rank, another value" in notes, notes

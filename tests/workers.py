@@ -223,8 +223,28 @@ def _test_args(batch_size, stream):
     return data, None, "loss", None, kwargs
 
 
+class ReadsBeforeTheInterruption(toy.FullBrain):
+    """In TEST, only in the run that is interrupted (as a condition on the data may
+    hold only in its batches): keeps the first ids (a read that steers an append)
+    and sorts ``ranked`` in place; every run extends ``ranked``."""
+
+    def on_stage_start(self, stage, epoch=None):
+        super().on_stage_start(stage, epoch)
+        self.first, self.ranked = [], []
+
+    def compute_objectives(self, logits, batch, stage):
+        loss = super().compute_objectives(logits, batch, stage)
+        if stage == sb.Stage.TEST:
+            self.ranked.extend(batch.id)
+            if self.interrupt_after is not None:
+                if len(self.first) < 3:
+                    self.first.extend(batch.id)
+                self.ranked.sort()
+        return loss
+
+
 def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size=2, stream=False, opts=None,
-                   after_fit=False):
+                   after_fit=False, brain_class=toy.FullBrain):
     """The mixin evaluates the best checkpoint, journaling after every batch; with
     ``interrupt_after`` each rank stops after that many batches (all ranks raise).
     ``after_fit``: the Brain holds what a fit() leaves (a restart that finds every
@@ -236,7 +256,7 @@ def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size
     handler.emit = records.append
     logging.getLogger("ddp_eval").addHandler(handler)
     logging.getLogger("ddp_eval").setLevel(logging.INFO)
-    cls = type("Converted", (ddp_eval.DDPEvalMixin, toy.FullBrain), {})
+    cls = type("Converted", (ddp_eval.DDPEvalMixin, brain_class), {})
     brain = toy.build(cls, directory, epochs=1, ddp_eval_opts={"resume_eval_every_s": 0, **(opts or {})})
     brain.interrupt_after = interrupt_after
     if after_fit:

@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from ddp_eval.checkpointing.commit import write_file_atomically
 
-FORMAT = 4  # 4 (0.7.0): each batch's loss; 3 (0.4.0): metric objects' other fields as attribute changes; 2: 0.3
+FORMAT = 5  # 5 (0.9.1): what no merge replays (notes); 4 (0.7.0): each batch's loss; 3 (0.4.0): metric
+# objects' other fields as attribute changes; 2: 0.3
 JOURNAL_DIRNAME = ".ddp_eval-journal"
 PIECE_PREFIX = "piece-"
 
@@ -94,12 +95,13 @@ class StageJournal:
 
     def write(self, model: str, positions: Sequence[int], loss: Sequence[Tuple[int, Optional[float]]], metrics: Any,
               attributes: Any, batch_digests: Optional[Dict[int, Optional[str]]] = None,
-              checkpoint: Optional[str] = None, outputs: Optional[Dict[str, Any]] = None) -> None:
+              checkpoint: Optional[str] = None, outputs: Optional[Dict[str, Any]] = None,
+              notes: Optional[Dict[str, Any]] = None) -> None:
         """Writes one piece: the contributions of the batches at ``positions``."""
         piece = {"format": FORMAT, "key": dataclasses.asdict(self.key), "model": model, "checkpoint": checkpoint,
                  "rank": self.rank, "positions": list(positions), "batch_digests": batch_digests or {},
                  "loss": [tuple(pair) for pair in loss], "metrics": metrics, "attributes": attributes,
-                 "outputs": outputs or {}}
+                 "outputs": outputs or {}, "notes": notes or {}}
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{PIECE_PREFIX}{self.run}-r{self.rank}-{len(self.written):06d}.pkl"
         write_file_atomically(path, pickle.dumps(piece, protocol=pickle.HIGHEST_PROTOCOL), self.fsync)

@@ -26,6 +26,7 @@ from ddp_eval.stage._journal import JournalKey, StageJournal, find_resumable, la
 from ddp_eval.stage._model import fingerprint_share, model_fingerprint, model_modules, model_tensors, tensor_crc
 from ddp_eval.stage.sharding import global_batch_ids, is_stream
 from ddp_eval.state import AttributeTracker
+from ddp_eval.state.bookkeeping import StageBook
 from ddp_eval.state.metrics import MetricRecorder, describe_objects
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class StageRecord(Protocol):
     attributes: AttributeTracker
     outputs: StageOutputs
     losses: List[Optional[float]]
+    book: StageBook
 
 
 def compress(positions: Sequence[int]) -> List[Tuple[int, int]]:
@@ -157,13 +159,17 @@ class StageResume:
         checkpoint = getattr(getattr(brain, "checkpointer", None), "loaded", None)
         self.journal.write(self.model, covered, loss, stage.metrics.piece(positions),
                            stage.attributes.piece(positions), {p: digests.get(p) for p in covered}, checkpoint,
-                           stage.outputs.state(positions, self.journaled_batches))
+                           stage.outputs.state(positions, self.journaled_batches), stage.book.notes())
         self.journaled_batches = stage.metrics.batches
 
     def old_states(self) -> List[Tuple[Any, Any, Any]]:
         """``(metric state, attribute changes, per-batch files)`` of each resumed
         piece (rank 0; else empty)."""
         return [(piece["metrics"], piece["attributes"], piece["outputs"]) for _, piece in self.old]
+
+    def old_notes(self) -> List[Dict[str, Any]]:
+        """What each resumed piece's batches did that no merge replays (rank 0; else none)."""
+        return [piece["notes"] for _, piece in self.old]
 
     def old_losses(self) -> List[Tuple[int, Optional[float]]]:
         """``(position, loss)`` of the resumed pieces' batches (rank 0; else none)."""

@@ -42,7 +42,7 @@ from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
 from ddp_eval.state import Fingerprint, changed_outside, in_global_order, is_training_machinery, outside_markers
 from ddp_eval.state.attribute_merge import last_candidates
-from ddp_eval.state.bookkeeping import StageBook, merge_stage
+from ddp_eval.state.bookkeeping import StageBook, merge_stage, with_journal_notes
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,8 @@ class ShardedStage:
         places = list(positions[: self.metrics.batches]) + [float("inf")]
         losses = list(zip(positions, self.losses)) + (self.resume.old_losses() if self.resume is not None else [])
         collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), losses, old)), record=record)
-        return {**record.report, "outside": outside, "stream": self._stream_read(),
+        notes = self.resume.old_notes() if self.resume is not None else []
+        return {**with_journal_notes(record.report, notes), "outside": outside, "stream": self._stream_read(),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
                 "modules": (self.modules, module_states(self.brain), self.used_modules),
                 "appends": list(self.appends.paths)}

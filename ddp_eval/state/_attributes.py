@@ -647,19 +647,21 @@ class AttributeTracker:
         self.stop_listening()  # the reads and writes from here on are ddp_eval's
         for slot in self.tracks.values():
             slot.finish(self.batches)
-            if slot.why is not None and getattr(slot, "compared", False):  # compared, left rank-local: unchecked
-                self.whole_reads.add(top_label(slot.label))
+        unmergeable = self.unmergeable()
         positions = list(positions[: self.batches]) + [math.inf]
-        changes, unmergeable = {}, {}
-        for label in sorted(self.tracks):
-            slot = self.tracks[label]
-            if slot.why is not None:
-                unmergeable[label] = slot.why
-                continue
-            change = slot.change(positions)
+        changes = {}
+        for label in sorted(self.tracks.keys() - unmergeable.keys()):
+            change = self.tracks[label].change(positions)
             if change is not None:
                 changes[label] = change
         return changes, unmergeable
+
+    def unmergeable(self) -> Dict[str, str]:
+        """``{label: why}`` of the values named so far; one a batch compared before it
+        was named is a read that steered (:attr:`whole_reads`): its replay is unchecked."""
+        named = {label: slot.why for label, slot in sorted(self.tracks.items()) if slot.why is not None}
+        self.whole_reads.update(top_label(label) for label in named if getattr(self.tracks[label], "compared", False))
+        return named
 
     def piece(self, positions: Sequence[int]) -> Dict[str, Change]:
         """What the batches since the previous piece did, for a journal

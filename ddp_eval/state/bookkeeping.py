@@ -132,6 +132,35 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
         result.assumed[label] = why
 
 
+def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Rank 0's ``report`` with the :meth:`StageBook.notes` of the journal pieces it
+    resumes: what the interrupted run's batches did that no merge replays is named
+    as if this run's batches had done it.
+
+    Example
+    -------
+    >>> report = {"unmergeable": {}, "read_then_set": {"n": ["a"]}, "whole_reads": [], "watched": ["a", "n"]}
+    >>> piece = {"unmergeable": {"ids": "sorted"}, "read_then_set": {"n": ["b"]}, "whole_reads": ["first"],
+    ...          "watched": ["first", "ids"]}
+    >>> merged = with_journal_notes(report, [piece])
+    >>> merged["unmergeable"]
+    {'ids': 'sorted (in a batch of the interrupted run this stage resumes)'}
+    >>> merged["read_then_set"], merged["whole_reads"], merged["watched"]
+    ({'n': ['a', 'b']}, ['first'], ['a', 'first', 'ids', 'n'])
+    """
+    merged = dict(report)
+    for piece in notes:
+        merged["unmergeable"] = {**{label: f"{why} (in a batch of the interrupted run this stage resumes)"
+                                    for label, why in piece.get("unmergeable", {}).items()}, **merged["unmergeable"]}
+        read_then_set = dict(merged["read_then_set"])
+        for label, read in piece.get("read_then_set", {}).items():
+            read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
+        merged["read_then_set"] = read_then_set
+        merged["whole_reads"] = sorted(set(merged["whole_reads"]) | set(piece.get("whole_reads", ())))
+        merged["watched"] = sorted(set(merged["watched"]) | set(piece.get("watched", ())))
+    return merged
+
+
 def last_candidates_of(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, List]:
     """``{label: [(contribution, global position, error)]}`` of every binding a
     ``LAST`` merge may take: the ranks', then a journal's pieces (rank 0 sent them)."""
@@ -229,9 +258,7 @@ class StageBook:
         ``positions``; what the record does not explain is named in ``unmergeable``."""
         self.attributes.stop_listening()  # no batch runs: the reads and writes from here on are ddp_eval's
         metric_state = self.metrics.finish(self.brain, positions)
-        changes, unmergeable = self.attributes.finish(positions)
-        unmergeable.update(self.metrics.unexplained())
-        unmergeable.update(self.lazy.rebound(self.metrics.objects))
+        changes, _ = self.attributes.finish(positions)
         bound, last = {}, {}
         objects = self.attributes.bound_objects()
         for path, position in last_candidates(changes).items():
@@ -241,13 +268,23 @@ class StageBook:
             except Exception as exc:  # named only if this rank's object is the one to send
                 last[path] = (position, f"{type(exc).__name__}: {exc}")
         changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
-        report = {"layout": describe(self.metrics, self.brain, positions), "unmergeable": unmergeable,
-                  "last": last, "changed": changed, "batches": self.metrics.batches,
-                  "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
-                  "whole_reads": sorted(self.attributes.whole_reads),
-                  "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
-                      self.metrics.objects))}
+        report = {"layout": describe(self.metrics, self.brain, positions), "last": last, "changed": changed,
+                  "batches": self.metrics.batches, **self.notes()}
         return Collected(report, (metric_state, changes), bound)
+
+    def notes(self) -> Dict[str, Any]:
+        """What this rank's report says of its batches so far that no merge replays:
+        values named (``unmergeable``), values set after a read (``read_then_set``),
+        values read whole (``whole_reads``), and every value ``watched``. A journal
+        piece carries them, so that a resumed stage names what the interrupted
+        run's batches did (:func:`with_journal_notes`)."""
+        unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
+                       **self.lazy.rebound(self.metrics.objects)}
+        return {"unmergeable": unmergeable,
+                "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
+                "whole_reads": sorted(self.attributes.whole_reads),
+                "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
+                    self.metrics.objects))}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
         """One process that evaluated every batch: probes out, nothing to merge."""
