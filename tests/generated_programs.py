@@ -344,12 +344,24 @@ def steering_reads():
     for label, read in {"str": str, "format": lambda v: format(v, ".3g"), "hash": hash, "range": range,
                         "index a list": lambda v: [0, 1, 2, 3][v % 4], "torch.tensor": torch.tensor}.items():
         ops[f"steer by {label}(n)"] = lambda h, b, read=read: h.c_list.append(b) if steers(read(h.n)) else None
+    for owner, field in (("m", "ids"), ("m", "scores"), ("made_newest['c']", "ids"), ("made_hardest['c0']", "scores")):
+        for label, read in {"len": len, "bool": bool, "[-1]": lambda v: v[-1] if v else 0,
+                            "in": lambda v: "u1" in v}.items():  # a metric object's field, held or made lazily
+            ops[f"steer by {label} of {owner}.{field}"] = lambda h, b, owner=owner, field=field, read=read: setattr(
+                h, "n", h.n + 1) if steers(read(getattr(_metric(h, owner), field))) else None
     ops.update({  # an entry read by index
         "steer by list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list[-1]) else None,
         "steer by array[0]": lambda h, b: h.c_list.append(b) if steers(float(h.arr[0])) else None,
         "steer by tensor[0]": lambda h, b: h.c_list.append(b) if steers(float(h.vec[0])) else None,
     })
     return ops
+
+
+def _metric(brain, owner):
+    """``brain.m`` or ``brain.made_newest['c']``: a metric object, by the path a label gives."""
+    name, _, key = owner.partition("[")
+    holder = getattr(brain, name)
+    return holder[key.strip("[]'")] if key else holder
 
 
 def _value_read(name):

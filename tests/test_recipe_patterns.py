@@ -236,7 +236,8 @@ def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
     assert "'sorted_scores': a batch" in warnings and "sort()" in warnings, warnings
     assert "'recent': a batch called extend() on this deque" in warnings
     assert "'n_scores': a batch (on rank" in warnings and "set it after reading [" in warnings
-    assert "'sorted_scores']" in warnings  # the reads of its batch (first_ids too, read after the set)
+    read = re.search(r"'n_scores': a batch \(on rank \d\) set it after reading \[([^]]*)\]", warnings).group(1)
+    assert "'sorted_scores'" in read and "'first_ids'" in read  # the reads of its batch (first_ids: after the set)
     assert "'first_ids': a batch read this list's accumulated entries" in warnings and "append()" in warnings
     want = evaluation_records(references["unmergeable_code"])
     got = evaluation_records(outs[0]["unmergeable_code"])

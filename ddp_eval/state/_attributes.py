@@ -205,7 +205,7 @@ class Slot:
         """Puts a probe in place of a number (or lets dict entries do so)."""
         if self.why is not None:  # named: its probe only tells whether the batch read it
             self.probe = probe(self.obj) if type(self.obj) in PROBED_TYPES else None
-            self.rebuilt_probe = None if self.probe is not None else make_probe(self.obj)
+            self.rebuilt_probe = None if self.probe is not None else make_probe(self.obj, self.notes)
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
@@ -214,7 +214,7 @@ class Slot:
             set_value(self.owner, self.name, self.probe)
         else:
             if type(self.obj) in _PROBED_CONTAINERS or (self.obj is self.recorded and isinstance(self.obj, list)):
-                self.rebuilt_probe = make_probe(self.obj)
+                self.rebuilt_probe = make_probe(self.obj, self.notes)
                 if self.rebuilt_probe is not None:
                     set_value(self.owner, self.name, self.rebuilt_probe)
             self.watch.before_batch()

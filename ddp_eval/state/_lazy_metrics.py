@@ -45,7 +45,7 @@ class LazyMetricFields:
             if not isinstance(container, collections.defaultdict) or container.default_factory is None:
                 continue
             factory = self.factories.get(attribute) or taken.get(attribute) or Factory(
-                container.default_factory, self.attributes.notes)
+                container.default_factory, self.attributes.notes, attribute)
             container.default_factory = self.factories[attribute] = factory
 
     def before_batch(self) -> None:

@@ -97,8 +97,9 @@ class Factory:
     (0, [('+', 2)])
     """
 
-    def __init__(self, original, notes: Optional[BatchNotes] = None) -> None:
+    def __init__(self, original, notes: Optional[BatchNotes] = None, label: str = "") -> None:
         self.original, self.notes = original, QUIET if notes is None else notes
+        self.label = label  # the watched value holding the defaultdict: what a read of a list it made reads
         self.made: dict = {}  # id -> (object, probe or None, {field: probe}), of this batch
         self.lists: list = []  # (object, field, copy) of the recording copies it put in, for the whole stage
 
@@ -113,7 +114,7 @@ class Factory:
                 if type(field) in (int, float):
                     fields[name] = own[name] = probe(field)
                 elif type(field) is list and not field and is_metric_object(handed):  # its sort, insert: seen
-                    own[name] = listening_copy(field, f"{type(handed).__name__}.{name}", self.notes)
+                    own[name] = listening_copy(field, self.label or f"{type(handed).__name__}.{name}", self.notes)
                     self.lists.append((handed, name, own[name]))
         self.made[id(handed)] = (handed, root, fields)
         return handed

@@ -108,10 +108,11 @@ class _Record:
     cannot replay as increments (``writes``)."""
 
     __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered", "index_reads",
-                 "index_sets")
+                 "index_sets", "notes")
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, notes: Any = None) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
+        self.notes = notes  # the stage's BatchNotes (an empty list's probe): reads count while a batch runs
         self.index_reads, self.index_sets = [], set()  # an array's entries read (float(a[i])), and set again
         self.steered = None  # an empty list's growing method called after a read of it
         self.read = False  # the value itself (not an entry of it) went into another computation
@@ -323,19 +324,25 @@ class _EmptyProbe:
     changes (``append``, ``extend``) are kept and handed back after the batch."""
 
     def __add__(self, other):
-        result = self._base.__add__(self._base(self), other)
+        result = self._base.__add__(self._base(self._base.__iter__(self)), other)  # not a read of it
         if result is not NotImplemented:
             self._ddp_record._result(result, Op.CONCAT, self._base(other))
         return result
 
     def __reduce__(self):  # pickles, copies and saves as the plain list or tuple (a read of it)
-        self._ddp_record.used = True
+        _note_read(self._ddp_record)
         return as_builtin, (self._base.__name__, self._base(self))
+
+
+def _note_read(record: "_Record") -> None:
+    """A batch read an empty list or tuple: one process's may hold entries, a read of its value."""
+    if record.notes is None or record.notes.listening:  # not ddp_eval's own look after the batch
+        record.used = record.read = True
 
 
 def _reading(name: str):
     def method(self, *args, **kwargs):
-        self._ddp_record.used = True
+        _note_read(self._ddp_record)
         return getattr(self._base, name)(self, *args, **kwargs)
     method.__name__ = name
     return method
@@ -422,15 +429,16 @@ def _plain(value: Any) -> Any:
 plain_value = _plain
 
 
-def make_probe(value: Any) -> Any:
-    """A probe for a tensor, array, empty list or empty tuple attribute, or None for other values."""
+def make_probe(value: Any, notes: Any = None) -> Any:
+    """A probe for a tensor, array, empty list or empty tuple attribute, or None for
+    other values (``notes``: the stage's, which tell an empty one when a batch runs)."""
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
         return tensor_probe(value)
     if numpy is not None and type(value) is numpy.ndarray:
         return array_probe(value)
     if (type(value) is list or type(value) is tuple or (is_recording(value) and isinstance(value, list))) and not value:
         probe = (EmptyListProbe if isinstance(value, list) else EmptyTupleProbe)()
-        probe._ddp_record = _Record(probe)
+        probe._ddp_record = _Record(probe, notes)
         return probe
     return None
 

@@ -347,7 +347,8 @@ class DictWatch(Watch):
                           ] if created_at is None else []  # references and fingerprints, compared at stage end
         self.factory = None
         if isinstance(obj, collections.defaultdict) and obj.default_factory is not None:
-            self.factory = obj.default_factory = Factory(obj.default_factory, slot.notes)
+            holder = slot.label.split("[")[0].split(".")[0]  # what a read of a list the factory made reads
+            self.factory = obj.default_factory = Factory(obj.default_factory, slot.notes, holder)
         if created_at is not None and obj:
             self.observe(created_at, obj)
 

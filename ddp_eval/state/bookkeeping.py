@@ -40,7 +40,7 @@ Example
 """
 
 import pickle
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
 from ddp_eval.state._declared import DeclaredSlot
@@ -81,18 +81,21 @@ def merge_stage(states: Sequence[Tuple[Any, Any]], reports: Sequence[Mapping[str
     rank. ``reports`` (the ranks'): values set by batches that read what other
     batches changed are named (:func:`name_values_read_from_partial_state`)."""
     merged = StageMerge(merge_metric_stats([s[0] for s in states]), merge_attribute_states([s[1] for s in states]))
-    name_values_read_from_partial_state(merged.attributes, reports)
+    grown = {top_label(path) for state, _ in states for path, fields in state.items()
+             if any(any(sizes) for _, sizes, _ in fields["lists"].values())}  # metric objects' lists appended to
+    name_values_read_from_partial_state(merged.attributes, reports, grown)
     return merged
 
 
-def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> None:
+def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[Mapping[str, Any]],
+                                        grown: Iterable[str] = ()) -> None:
     """A value a batch set after reading an attribute that batches changed during the
     stage (``self.n_items = len(self.items)``, ``self.last = next(self.it)``) holds,
     on each rank, what that rank's batches alone made of it: it is named (a
     conflict, left rank-local), never merged. What such a read may have steered
     otherwise is named too (:func:`_name_what_a_steering_read_may_have_left_undone`)."""
     changed = {top_label(label) for label in (*result.merged, *result.conflicts)}
-    changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())}
+    changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())} | set(grown)
     for rank, report in enumerate(reports):
         for label, read in report.get("read_then_set", {}).items():
             partial = sorted(set(read) & changed)
