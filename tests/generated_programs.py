@@ -29,7 +29,7 @@ import warnings
 
 import numpy as np
 import torch
-from speechbrain.utils.metric_stats import MetricStats
+from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 
 CONTAINERS = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict,
               collections.defaultdict, bytearray)
@@ -60,6 +60,11 @@ class LazyStats(MetricStats):
 
 def _scores(values):
     return torch.tensor(values, dtype=torch.float64)
+
+
+def _scores_by_key(values):
+    """Two metrics at once, for a MultiMetricStats (which makes a MetricStats per key in a batch)."""
+    return {"a": _scores(values), "b": _scores(values) * 2}
 
 
 class KeepsHardest(MetricStats):
@@ -124,6 +129,8 @@ class Brain:
         self.m, self.hardest, self.newest = MetricStats(metric=_scores), KeepsHardest(), NewestFirst()
         self.made_hardest = collections.defaultdict(KeepsHardest)
         self.made_newest = collections.defaultdict(NewestFirst)
+        self.multi = MultiMetricStats(metric=_scores_by_key, batch_eval=True)
+        self.own = {}  # a metric object the recipe's own code makes in a batch
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.n, self.text = 5, "earlier "
@@ -284,6 +291,9 @@ def _fixed():
         "lazy metric inserts first": lambda h, b: h.made_newest["c"].append([f"u{b}"], [value(b)]),
         "lazy metric.append": lambda h, b: h.made_newest["c"].ids.append(f"u{b}"),
         "metric trimmed": lambda h, b: (setattr(h.m, "ids", h.m.ids[-2:]), setattr(h.m, "scores", h.m.scores[-2:])),
+        "multi metric.append": lambda h, b: h.multi.append([f"u{b}"], [value(b)]),
+        "own metric.append": lambda h, b: (h.own if "x" in h.own else h.own.setdefault("x", MetricStats(
+            metric=_scores)))["x"].append([f"u{b}"], [value(b)]),
         "if len(metric.ids) < k: append": lambda h, b: h.m.append([f"u{b}"], [value(b)]) if len(h.m.ids) < 2
         else None,
     }
@@ -344,7 +354,8 @@ def steering_reads():
     for label, read in {"str": str, "format": lambda v: format(v, ".3g"), "hash": hash, "range": range,
                         "index a list": lambda v: [0, 1, 2, 3][v % 4], "torch.tensor": torch.tensor}.items():
         ops[f"steer by {label}(n)"] = lambda h, b, read=read: h.c_list.append(b) if steers(read(h.n)) else None
-    for owner, field in (("m", "ids"), ("m", "scores"), ("made_newest['c']", "ids"), ("made_hardest['c0']", "scores")):
+    for owner, field in (("m", "ids"), ("m", "scores"), ("made_newest['c']", "ids"), ("made_hardest['c0']", "scores"),
+                         ("own['x']", "scores")):
         for label, read in {"len": len, "bool": bool, "[-1]": lambda v: v[-1] if v else 0,
                             "in": lambda v: "u1" in v}.items():  # a metric object's field, held or made lazily
             ops[f"steer by {label} of {owner}.{field}"] = lambda h, b, owner=owner, field=field, read=read: setattr(
@@ -358,10 +369,16 @@ def steering_reads():
 
 
 def _metric(brain, owner):
-    """``brain.m`` or ``brain.made_newest['c']``: a metric object, by the path a label gives."""
+    """``brain.m``, ``brain.made_newest['c']`` or ``brain.own['x']``: a metric object, by
+    the path a label gives (one no batch has made yet reads as empty)."""
     name, _, key = owner.partition("[")
-    holder = getattr(brain, name)
-    return holder[key.strip("[]'")] if key else holder
+    holder, key = getattr(brain, name), key.strip("[]'")
+    if not key:
+        return holder
+    return holder[key] if key in holder or isinstance(holder, collections.defaultdict) else _NOT_MADE
+
+
+_NOT_MADE = types.SimpleNamespace(ids=[], scores=[])
 
 
 def _value_read(name):

@@ -25,8 +25,11 @@ from typing import Any, Dict, Mapping, Tuple
 
 from ddp_eval.state._attributes import AttributeTracker, Slot
 from ddp_eval.state._probes import Factory
+from ddp_eval.state._recording import is_recording, listening_copy
 from ddp_eval.state._values import ABSENT
 from ddp_eval.state.metrics import MetricRecorder, all_flat, field_targets
+
+LISTEN_TO_LISTS_MADE_ELSEWHERE = True  # recording copies in objects no factory made (tests switch it off)
 
 
 class LazyMetricFields:
@@ -35,6 +38,7 @@ class LazyMetricFields:
     def __init__(self, metrics: MetricRecorder, attributes: AttributeTracker, owner: Any) -> None:
         self.metrics, self.attributes, self.owner = metrics, attributes, owner
         self.factories: Dict[str, Factory] = {}  # attribute -> the factory wrapped for the stage
+        self.listened: list = []  # (object, field, copy): lists of objects no factory made, from their next batch
         self.wrap(metrics.objects)
 
     def wrap(self, objects: Mapping[str, Any], taken: Mapping[str, Factory] = {}) -> None:
@@ -55,12 +59,23 @@ class LazyMetricFields:
 
     def observe(self, batch: int, objects: Mapping[str, Any]) -> None:
         """Watches the fields of the objects first seen after batch ``batch``."""
-        for path, obj in objects.items():
+        for path, obj in all_flat(objects):  # a MultiMetricStats's per-key objects too
             if self.metrics.first_seen.get(path) != batch:
                 continue
             factory = self.factories.get(path.split("[")[0])
             for label, (sub, name) in field_targets({path: obj}).items():
                 self.watch(label, sub, name, batch, factory)
+            self.listen(path, obj)
+
+    def listen(self, path: str, obj: Any) -> None:
+        """Recording copies in place of the flat lists of an object no factory made
+        (a MultiMetricStats's per-key objects, one the recipe's code made), as a
+        factory puts in: a later batch's sort or read that steers is seen."""
+        for name, value in vars(obj).items() if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
+            if type(value) is list and not (value and all(isinstance(x, list) for x in value)):
+                copy = obj.__dict__[name] = listening_copy(value, path.split("[")[0].split(".")[0],
+                                                           self.attributes.notes)
+                self.listened.append((obj, name, copy))
 
     def watch(self, label: str, sub: Any, name: str, batch: int, factory: Any) -> None:
         sub_path = label[: -len(name) - 1]
@@ -71,6 +86,9 @@ class LazyMetricFields:
                                                        notes=self.attributes.notes)
         value = vars(sub).get(name, ABSENT)
         made = factory.field_origin(sub, value) if factory is not None else None
+        start = self.metrics.made_as.get(sub_path, {}).get(name, ABSENT)
+        if made is None and type(start) is type(value) and start == value:  # as made: no batch changed it yet
+            made = (value, [])
         if made is not None:
             slot.adopt(batch, value, *made)  # from the factory's value, by the ops its probes saw
         else:
@@ -85,14 +103,17 @@ class LazyMetricFields:
         return found
 
     def rebound(self, objects: Mapping[str, Any]) -> Dict[str, str]:
-        """``{path.field: why}`` of the list fields of metric objects a factory made
-        that a batch replaced by another list: a sort or a cut, which no record replays."""
+        """``{path.field: why}`` of the list fields of metric objects made during the
+        stage that a batch replaced by another list: a sort or a cut, which no record replays."""
         paths = {id(obj): path for path, obj in all_flat(objects)}
         return {f"{paths.get(id(obj), type(obj).__name__)}.{name}": (
             "a batch bound a new list to this field of a metric object made during the stage (a sort, a cut: "
             "self.ids = sorted(...)[:k]), which ddp_eval cannot replay in one process's order: append to its "
-            "lists, and sort or cut them in on_stage_end") for factory in self.factories.values()
-            for obj, name in factory.rebound()}
+            "lists, and sort or cut them in on_stage_end") for obj, name in self._rebound()}
+
+    def _rebound(self):
+        yield from ((obj, name) for factory in self.factories.values() for obj, name in factory.rebound())
+        yield from ((obj, name) for obj, name, copy in self.listened if obj.__dict__.get(name) is not copy)
 
     def release(self) -> None:
         """The original factories back; plain numbers in what they made."""
@@ -103,3 +124,7 @@ class LazyMetricFields:
             if isinstance(container, collections.defaultdict) and container.default_factory is factory:
                 container.default_factory = factory.original
         self.factories = {}
+        for obj, name, _ in self.listened:
+            if is_recording(obj.__dict__.get(name)):
+                obj.__dict__[name] = list(obj.__dict__[name])
+        self.listened = []

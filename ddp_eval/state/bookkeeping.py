@@ -55,7 +55,7 @@ from ddp_eval.state.attribute_merge import (
     merge_attribute_states,
 )
 from ddp_eval.state.metric_merge import merge_metric_stats
-from ddp_eval.state.metrics import MetricFinder, MetricRecorder, apply_merged
+from ddp_eval.state.metrics import MetricFinder, MetricRecorder, apply_merged, make_missing_per_key
 
 
 class Collected(NamedTuple):
@@ -304,6 +304,7 @@ class StageBook:
         kept where this ``rank`` won."""
         self.lazy.release()  # the original factories make what this rank lacks
         objects = complete(self.brain, self.metrics, layouts, stage)
+        make_missing_per_key(objects, merged.metrics)
         self.lazy.locate_all(objects)  # fields of metric objects made just now, where merged fields go
         apply_merged(objects, self.metrics.start, merged.metrics)
 

@@ -305,6 +305,7 @@ class MetricRecorder:
         self._appended: Dict[Tuple[str, str], list] = {}  # what batches appended, read right after each
         self.first_seen: Dict[str, int] = {}  # path -> batch, of objects created during the stage
         self.baselines: Snapshot = {}  # numbers of a fresh object, of objects created during the stage
+        self.made_as: Snapshot = {}  # the same, where a fresh object could be made (the start of its fields)
         self.shrunk: Dict[str, str] = {}  # path.field -> what happened
         self.changed_batches: Dict[str, int] = {}  # path -> batches that appended to it
         self.kept: Dict[Tuple[str, str], Fingerprint] = {}  # what the lists held at stage start, checked at the end
@@ -327,7 +328,9 @@ class MetricRecorder:
         for path, sub in all_flat(self.objects):
             if path not in self.start and path not in self.first_seen:
                 self.first_seen[path] = batch
-                self.baselines[path] = fresh_numbers(sub)
+                self.baselines[path], made = fresh_numbers(sub, _per_key(path, self.objects))
+                if made:
+                    self.made_as[path] = self.baselines[path]
                 for name, value in vars(sub).items():  # fields no merge follows: must not change from here on
                     if not isinstance(value, list) and not is_number(value) and name != "summary" and not (
                             _merged_elsewhere(value) or isinstance(sub, MultiMetricStats)):
@@ -448,23 +451,34 @@ def _field(sub: Any, name: str) -> Any:
     return value
 
 
-def fresh_numbers(obj: Any) -> Dict[str, Any]:
-    """The numeric fields of a fresh object of ``obj``'s class (what a metric
-    object created during the stage started from), or its own if its class
-    cannot be made without arguments."""
+def fresh_numbers(obj: Any, per_key: bool = False) -> Tuple[Dict[str, Any], bool]:
+    """``(numeric fields, made)`` of a fresh object of ``obj``'s class (what a metric
+    object created during the stage started from; ``per_key``: one a MultiMetricStats
+    made), or of ``obj`` itself (``made`` False) if its class cannot be made without
+    arguments."""
     try:
-        fresh = type(obj)()
+        fresh, made = (made_per_key() if per_key else type(obj)()), True
     except Exception:  # needs arguments (a MetricStats's metric): its own numbers are its start
-        fresh = obj
-    return {name: value for name, value in _fields(fresh, ()) if not isinstance(value, list)}
+        fresh, made = obj, False
+    return {name: value for name, value in _fields(fresh, ()) if not isinstance(value, list)}, made
+
+
+def made_per_key() -> MetricStats:
+    """A metric object as ``MultiMetricStats.append`` makes one for a new key."""
+    return MetricStats(lambda x: x, batch_eval=True)
+
+
+def _per_key(path: str, objects: Mapping[str, Any]) -> bool:
+    """Whether ``path`` is one of a MultiMetricStats's per-key objects (``top.metrics[key]``)."""
+    holder, _, key = path.rpartition(".metrics[")
+    return bool(holder) and "[" not in key[:-1] and isinstance(dict(all_flat(objects)).get(holder), MultiMetricStats)
 
 
 def apply_merged(objects: Mapping[str, Any], start: Mapping[str, Mapping[str, Any]],
                  merged: Mapping[str, Mapping[str, Any]]) -> None:
     """Writes merged state into the local metric objects (what they held at
     stage start kept, the merged entries after it)."""
-    for top, obj in objects.items():
-        _create_missing_inner(top, obj, merged)
+    make_missing_per_key(objects, merged)
     for path, sub in all_flat(objects):
         if path not in merged:
             continue
@@ -485,17 +499,18 @@ def apply_merged(objects: Mapping[str, Any], start: Mapping[str, Mapping[str, An
             sub.summary = {}
 
 
-def _create_missing_inner(top: str, obj: Any, merged: Mapping[str, Any]) -> None:
-    # A rank that evaluated no batch never had MultiMetricStats create its
-    # per-key MetricStats; create them as MultiMetricStats.append would.
-    if not isinstance(obj, MultiMetricStats):
-        return
-    prefix = f"{top}.metrics["
-    for path in merged:
-        if path.startswith(prefix) and "." not in path[len(prefix):]:
-            key = path[len(prefix): -1]
-            if key not in {str(k) for k in obj.metrics}:
-                obj.metrics[key] = MetricStats(lambda x: x, batch_eval=True)
+def make_missing_per_key(objects: Mapping[str, Any], merged: Mapping[str, Any]) -> None:
+    """Makes the per-key objects a MultiMetricStats on this rank lacks (its batches
+    never had a key), as ``MultiMetricStats.append`` would, before merged fields go in."""
+    for top, obj in objects.items():
+        if not isinstance(obj, MultiMetricStats):
+            continue
+        prefix = f"{top}.metrics["
+        for path in merged:
+            if path.startswith(prefix) and "." not in path[len(prefix):]:
+                key = path[len(prefix): -1]
+                if key not in {str(k) for k in obj.metrics}:
+                    obj.metrics[key] = made_per_key()
 
 
 def describe_objects(objects: Mapping[str, Any]) -> list:
