@@ -131,8 +131,10 @@ class Brain:
         self.made_newest = collections.defaultdict(NewestFirst)
         self.multi = MultiMetricStats(metric=_scores_by_key, batch_eval=True)
         self.own = {}  # a metric object the recipe's own code makes in a batch
+        self.t_list, self.nested = [], []  # a list of tensors (per-batch losses), a list of lists
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
+            self.t_list.append(torch.zeros(1, dtype=torch.float64))
             self.n, self.text = 5, "earlier "
 
 
@@ -284,6 +286,10 @@ def _fixed():
         "setdefault().append": lambda h, b: h.c_dict.setdefault(f"s{b % 2}", []).append(b),
         "set |=": lambda h, b: setattr(h, "c_set", h.c_set | {b % 4}),
         # metric objects' lists (issue 37): SpeechBrain's append, a subclass's, trimming, a read that steers
+        "tensor list.append": lambda h, b: h.t_list.append(torch.tensor([value(b)], dtype=torch.float64)),
+        "tensor list[0].add_": lambda h, b: _entry(h.t_list, 0).add_(1.0),
+        "nested.append([b])": lambda h, b: h.nested.append([b]),
+        "nested[0].append": lambda h, b: _entry(h.nested, 0, []).append(b),
         "metric.append": lambda h, b: h.m.append([f"u{b}"], [value(b)]),
         "metric keeps its hardest": lambda h, b: h.hardest.append([f"u{b}"], [value(b % 4)]),
         "metric inserts first": lambda h, b: h.newest.append([f"u{b}"], [value(b)]),
@@ -364,8 +370,20 @@ def steering_reads():
         "steer by list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list[-1]) else None,
         "steer by array[0]": lambda h, b: h.c_list.append(b) if steers(float(h.arr[0])) else None,
         "steer by tensor[0]": lambda h, b: h.c_list.append(b) if steers(float(h.vec[0])) else None,
+        "steer by tensor list[0]": lambda h, b: setattr(h, "n", h.n + 1) if steers(_entry(h.t_list, 0)) else None,
+        "steer by tensor list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(_entry(h.t_list, -1)) else None,
+        "steer by nested[0]": lambda h, b: setattr(h, "n", h.n + 1) if steers(_entry(h.nested, 0, [])) else None,
     })
     return ops
+
+
+def _entry(items, index, missing=None):
+    """``items[index]``, or ``missing`` (a fresh zero tensor by default) where there is
+    none, without a read of the list whole."""
+    try:
+        return items[index]
+    except IndexError:
+        return torch.zeros(1, dtype=torch.float64) if missing is None else missing
 
 
 def _metric(brain, owner):

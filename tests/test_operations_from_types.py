@@ -309,6 +309,24 @@ def test_a_read_of_a_metric_object_the_recipes_code_made_is_seen_from_its_next_b
     assert silently_wrong(*program) is not None
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("program", [
+    ([["nested.append([b])"], ["nested.append([b])"], ["nested[0].append"]], [0, 1, 1], 2),
+    # one process reads [0], rank 1 its first entry [2]: the branch differs
+    ([["nested.append([b])"]] * 3 + [["steer by nested[0]"]], [0, 0, 1, 1], 2),
+    # one process reads 0.05, rank 1 its first entry 1.15 (above steers()'s threshold)
+    ([["tensor list.append"]] * 12 + [["steer by tensor list[0]"]], [0] * 11 + [1, 1], 2),
+], ids=["changed in place", "read to steer", "tensor entry read"])
+def test_an_entry_batches_appended_read_by_its_index_from_the_start_is_seen(program):
+    """``items[0]`` is a stage-start entry when the list held one at stage start, the same on
+    every rank; otherwise it is the first entry a batch appended, on each rank its own
+    batches' first: a read of it, or a change through it, is named, never merged as if
+    ``items[0]`` were one entry."""
+    per_batch = program[0]
+    assert silently_wrong(*program) is None
+    assert silently_wrong(per_batch, [0] * len(per_batch), 1) is None
+
+
 # Programs the 10,000-program run by hand found silently wrong (docs/testing.md), kept as cases
 FOUND_BY_HAND = [
     # min() on a rank where only its own batches had added to the value: one process's min sets it

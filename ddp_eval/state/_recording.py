@@ -158,6 +158,7 @@ class _Recording:
     _whole = False  # ... as a whole (len, iteration, a comparison): what the batch adds after may depend on it
     _indexed = False  # a list read by index (items[-1]): an append after it may depend on it, hist[i] += 1 not
     raised = None  # a changing method that raised during a batch
+    start_length = 0  # a list's length when the copy was made (entries from there on were appended by batches)
     steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
 
@@ -270,8 +271,10 @@ def _indexing(kind: type):
             if not self._indexed:
                 self._indexed, self.index_reads, self.index_sets = True, [], set()
                 self._notes.indexed.append(self)
-            if not (type(index) is int and index >= 0 and (getattr(entry, "_ddp_probe", False) or not isinstance(
-                    entry, _VALUES))):  # a stage-start entry's probe replays its reads; nested[0].append(x) is a path
+            if not (type(index) is int and 0 <= index < self.start_length and (getattr(
+                    entry, "_ddp_probe", False) or not isinstance(entry, _VALUES))):
+                # a stage-start entry's probe replays its reads, nested[0].append(x) is its path; an entry batches
+                # appended is another one on each rank
                 self.index_reads.append(_index_key(index))
         return entry
     indexed.__name__ = "__getitem__"
@@ -383,6 +386,7 @@ def recording_copy(value: Any, notes: Optional[BatchNotes] = None) -> Optional[A
         copy = cls()
     copy.ops, copy.handed, copy.built, copy._notes = [], {}, [], notes
     _fill(copy, value, type(value))
+    copy.start_length = len(value) if builtin is list else 0
     notes.created.append(copy)
     return copy
 
@@ -394,6 +398,7 @@ def listening_copy(value: list, label: str, notes: BatchNotes = QUIET) -> Any:
     the plain list back."""
     copy = _CLASSES[list]._listening(value)
     copy.ops, copy.handed, copy.built, copy.label, copy._notes = [], {}, [], label, notes
+    copy.start_length = len(value)
     return copy
 
 
