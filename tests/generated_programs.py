@@ -373,6 +373,8 @@ def steering_reads():
         "steer by tensor list[0]": lambda h, b: setattr(h, "n", h.n + 1) if steers(_entry(h.t_list, 0)) else None,
         "steer by tensor list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(_entry(h.t_list, -1)) else None,
         "steer by nested[0]": lambda h, b: setattr(h, "n", h.n + 1) if steers(_entry(h.nested, 0, [])) else None,
+        "steer by nested[2] out of range": lambda h, b: setattr(h, "n", h.n + 1) if _entry(
+            h.nested, 2, "none") != "none" else None,  # try: items[2] except IndexError
     })
     return ops
 

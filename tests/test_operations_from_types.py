@@ -316,12 +316,15 @@ def test_a_read_of_a_metric_object_the_recipes_code_made_is_seen_from_its_next_b
     ([["nested.append([b])"]] * 3 + [["steer by nested[0]"]], [0, 0, 1, 1], 2),
     # one process reads 0.05, rank 1 its first entry 1.15 (above steers()'s threshold)
     ([["tensor list.append"]] * 12 + [["steer by tensor list[0]"]], [0] * 11 + [1, 1], 2),
-], ids=["changed in place", "read to steer", "tensor entry read"])
+    # rank 1 holds two entries when it reads items[2] (IndexError), one process four
+    ([["nested.append([b])"]] * 4 + [["steer by nested[2] out of range"]], [0, 0, 1, 1, 1], 2),
+], ids=["changed in place", "read to steer", "tensor entry read", "out of range"])
 def test_an_entry_batches_appended_read_by_its_index_from_the_start_is_seen(program):
     """``items[0]`` is a stage-start entry when the list held one at stage start, the same on
     every rank; otherwise it is the first entry a batch appended, on each rank its own
     batches' first: a read of it, or a change through it, is named, never merged as if
-    ``items[0]`` were one entry."""
+    ``items[0]`` were one entry. So is a read out of range on a rank (IndexError), which
+    in one process may find an entry."""
     per_batch = program[0]
     assert silently_wrong(*program) is None
     assert silently_wrong(per_batch, [0] * len(per_batch), 1) is None

@@ -266,19 +266,28 @@ def _indexing(kind: type):
     method = kind.__getitem__
 
     def indexed(self, index):
-        entry = method(self, index)
-        if self._notes.listening and STEERABLE:  # not a read of the whole (hist[i] += 1): not in read
-            if not self._indexed:
-                self._indexed, self.index_reads, self.index_sets = True, [], set()
-                self._notes.indexed.append(self)
-            if not (type(index) is int and 0 <= index < self.start_length and (getattr(
-                    entry, "_ddp_probe", False) or not isinstance(entry, _VALUES))):
-                # a stage-start entry's probe replays its reads, nested[0].append(x) is its path; an entry batches
-                # appended is another one on each rank
-                self.index_reads.append(_index_key(index))
+        try:
+            entry = method(self, index)
+        except IndexError:  # out of range on this rank (try: items[2]), maybe not in one process: a read
+            _note_index(self, index, None)
+            raise
+        _note_index(self, index, entry)
         return entry
     indexed.__name__ = "__getitem__"
     return indexed
+
+
+def _note_index(recorded: Any, index: Any, entry: Any) -> None:
+    """Notes ``recorded[index]`` read by the batch under way (``entry``; None if out of range)."""
+    if recorded._notes.listening and STEERABLE:  # not a read of the whole (hist[i] += 1): not in read
+        if not recorded._indexed:
+            recorded._indexed, recorded.index_reads, recorded.index_sets = True, [], set()
+            recorded._notes.indexed.append(recorded)
+        if not (type(index) is int and 0 <= index < recorded.start_length and (getattr(
+                entry, "_ddp_probe", False) or not isinstance(entry, _VALUES))):
+            # a stage-start entry's probe replays its reads, nested[0].append(x) is its path; an entry batches
+            # appended is another one on each rank
+            recorded.index_reads.append(_index_key(index))
 
 
 _VALUES = (int, float, complex, str, bytes, tuple, type(None))  # entries read for their value, not changed in place
