@@ -314,6 +314,8 @@ _PLUMBING = {"__class__", "__init__", "__new__", "__getattribute__", "__setattr_
 
 def steers(result):
     """A branch on what a read gave, the same function of the value in one process and on a rank."""
+    if isinstance(result, bool):  # k in d, x == y: the answer itself
+        return result
     if isinstance(result, torch.Tensor):
         return bool(torch.as_tensor(result).detach().double().nan_to_num().sum() > 1.0)
     if isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor):
@@ -357,6 +359,11 @@ def steering_reads():
         if name not in changing_list_methods():
             ops[f"steer by list.{name}"] = lambda h, b, name=name: setattr(h, "n", h.n + 1) if steers(
                 _call_quietly(getattr(h.c_list, name))) else None
+    for kind, attribute in ((dict, "c_dict"), (set, "c_set")):  # reads of one key: present on a rank or not
+        for name in container_methods(kind) + ["__contains__", "__getitem__"]:
+            if name not in changing_methods(kind) and hasattr(kind, name):
+                ops[f"steer by {kind.__name__}.{name}"] = lambda h, b, attribute=attribute, name=name: setattr(
+                    h, "n", h.n + 1) if steers(_call_with_key(getattr(getattr(h, attribute), name), b)) else None
     for label, read in {"str": str, "format": lambda v: format(v, ".3g"), "hash": hash, "range": range,
                         "index a list": lambda v: [0, 1, 2, 3][v % 4], "torch.tensor": torch.tensor}.items():
         ops[f"steer by {label}(n)"] = lambda h, b, read=read: h.c_list.append(b) if steers(read(h.n)) else None
@@ -427,6 +434,27 @@ def _value_read(name):
 def changing_list_methods():
     from ddp_eval.state._recording import changing_methods
     return set(changing_methods(list))
+
+
+def changing_methods(kind):
+    from ddp_eval.state._recording import changing_methods
+    return set(changing_methods(kind))
+
+
+def _call_with_key(method, b):
+    """``method`` called on a key or element earlier batches may have added (see
+    :func:`_arguments`), or on nothing; ``"absent"`` where the key is missing."""
+    key = f"k{(b + 1) % 4}" if isinstance(method.__self__, dict) else (b + 1) % 5
+    for args in ((key,), ()):
+        try:
+            return method(*args)
+        except TypeError:
+            continue
+        except KeyError:
+            return "absent"
+        except _FAILS:
+            return None
+    return None
 
 
 def _call_quietly(method):

@@ -133,7 +133,7 @@ def _noting(kind: type, name: str):
         elif self._notes.listening and self._depth == 0 and self.steered is None and (self._whole or (
                 self._indexed and name != "__setitem__")):
             self.steered = name  # a batch read the container's accumulated entries (or items[-1]), then grew it
-        if name == "__setitem__" and self._indexed and args:
+        if name in ("__setitem__", "add", "setdefault") and self._indexed and args:  # the entry read is set again
             self.index_sets.add(_index_key(args[0]))
         self._depth += 1
         try:
@@ -205,11 +205,15 @@ def _handing_probe(method):
     on any rank."""
     def handing(self, key, default=None):
         if not dict.__contains__(self, key):
+            if default is None and method.__name__ == "get":  # d.get(k) is None: k absent here, maybe not in one
+                _note_index(self, key, None)
             if type(default) in (int, float):
                 default = probe(default)
                 self.handed[id(default)] = default
             elif type(default) in (list, dict, set) and not default:  # setdefault(k, []).append(x)
                 self.handed[id(default)] = default
+        elif method.__name__ == "get":
+            _note_entry(self, key, dict.__getitem__(self, key))
         return method(self, key, default)
     handing.__name__ = method.__name__
     return handing
@@ -257,9 +261,36 @@ def _reading(kind: type, name: str):
             notes.read.append(self)
         if notes.listening and whole and STEERABLE:
             self._whole = True
-        return method(self, *args, **kwargs)
+        result = method(self, *args, **kwargs)
+        if not whole and result is False:  # k absent on this rank, maybe not in one process
+            _note_index(self, args[0], None)
+        return result
     read.__name__ = name
     return read
+
+
+def _keyed(kind: type):
+    """A dict's ``d[k]``: the value of an entry (a number, a string; not a probe, which
+    replays its reads, nor a container, whose key is its path) and a key absent on this
+    rank (KeyError) are noted as read, as ``k in d`` is: on a rank they are what its
+    batches alone made of the entry. ``d[k] += 1`` sets it again: not a read."""
+    method = kind.__getitem__
+
+    def keyed(self, key):
+        try:
+            entry = method(self, key)
+        except KeyError:
+            _note_index(self, key, None)
+            raise
+        _note_entry(self, key, entry)
+        return entry
+    keyed.__name__ = "__getitem__"
+    return keyed
+
+
+def _note_entry(recorded: Any, key: Any, entry: Any) -> None:
+    if isinstance(entry, _VALUES) and not getattr(entry, "_ddp_probe", False):
+        _note_index(recorded, key, entry)
 
 
 def _indexing(kind: type):
@@ -315,6 +346,7 @@ def _recording_class(kind: type) -> type:
     if _builtin(kind) is list:
         namespace["__getitem__"] = _indexing(kind)
     if _builtin(kind) is dict:
+        namespace["__getitem__"] = _keyed(kind)
         namespace["setdefault"] = _handing_probe(namespace["setdefault"])
         namespace["get"] = _handing_probe(kind.get)
     if _builtin(kind) is set:

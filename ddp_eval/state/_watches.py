@@ -74,6 +74,8 @@ _warned_over_budget = set()  # labels warned about once per process
 class Watch:
     """No in-place changes seen (numbers, strings, tuples, other objects)."""
 
+    compared = False  # an entry a batch compared (a dict's or list's): its record is merged even if unchanged
+
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         self.slot, self.obj = slot, obj
         self.last_change: int = -1  # the newest batch that changed the object in place
@@ -218,7 +220,7 @@ class ListWatch(Watch):
         return changed
 
     def kind(self) -> Optional[Kind]:
-        if self.last_change < 0:
+        if self.last_change < 0 and not self.compared:
             return None
         return Kind.ITEMS if self.entries else Kind.APPEND
 
@@ -296,6 +298,7 @@ def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
     for key, entry in looked:
         before = entry.changed_batches
         entry.observe(batch)
+        watch.compared = watch.compared or entry.compared  # its record goes to the merge, which checks it
         if entry.why is not None:
             watch.slot.fail(f"its entry {key!r}: {entry.why}")
             return True
@@ -409,7 +412,7 @@ class DictWatch(Watch):
         return None
 
     def kind(self) -> Optional[Kind]:
-        return Kind.KEYS if self.last_change >= 0 or self._replaced() else None
+        return Kind.KEYS if self.last_change >= 0 or self.compared or self._replaced() else None
 
     def _replaced(self) -> Dict[Any, Any]:
         return {key: self.obj[key] for key, start, _ in self.unwatched
