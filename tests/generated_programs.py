@@ -268,6 +268,8 @@ def _fixed():
         "d[k] = sum(d.values())": lambda h, b: h.c_dict.__setitem__("total", sum(v for v in h.c_dict.values()
                                                                                  if isinstance(v, int))),
         "if len(set) < k: add": lambda h, b: h.c_set.add(10 + b) if len(h.c_set) < 5 else None,
+        "if k not in d: n += 1; d[k] = b": lambda h, b: (setattr(h, "n", h.n + 1), h.c_dict.__setitem__(
+            f"q{b % 2}", b)) if f"q{b % 2}" not in h.c_dict else None,  # distinct keys counted
         "if k not in d: d[k] = b": lambda h, b: h.c_dict.__setitem__(f"f{b % 2}", b) if f"f{b % 2}" not in h.c_dict
         else None,
         "if not first: first.append": lambda h, b: h.first.append(b) if not h.first else None,
@@ -368,7 +370,7 @@ def steering_reads():
                         "index a list": lambda v: [0, 1, 2, 3][v % 4], "torch.tensor": torch.tensor}.items():
         ops[f"steer by {label}(n)"] = lambda h, b, read=read: h.c_list.append(b) if steers(read(h.n)) else None
     for owner, field in (("m", "ids"), ("m", "scores"), ("made_newest['c']", "ids"), ("made_hardest['c0']", "scores"),
-                         ("own['x']", "scores")):
+                         ("own['x']", "scores"), ("multi['a']", "scores")):
         for label, read in {"len": len, "bool": bool, "[-1]": lambda v: v[-1] if v else 0,
                             "in": lambda v: "u1" in v}.items():  # a metric object's field, held or made lazily
             ops[f"steer by {label} of {owner}.{field}"] = lambda h, b, owner=owner, field=field, read=read: setattr(
@@ -400,6 +402,7 @@ def _metric(brain, owner):
     the path a label gives (one no batch has made yet reads as empty)."""
     name, _, key = owner.partition("[")
     holder, key = getattr(brain, name), key.strip("[]'")
+    holder = holder.metrics if isinstance(holder, MultiMetricStats) else holder  # its per-key objects
     if not key:
         return holder
     return holder[key] if key in holder or isinstance(holder, collections.defaultdict) else _NOT_MADE

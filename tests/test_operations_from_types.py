@@ -298,12 +298,16 @@ def test_without_naming_what_a_read_steers_the_property_fails(monkeypatch):
 
 @pytest.mark.fast
 def test_a_read_of_a_metric_object_the_recipes_code_made_is_seen_from_its_next_batch(monkeypatch):
-    """A metric object the recipe's code makes in a batch (no factory: its lists cannot listen
-    from the start) gets recording copies after that batch: a later batch's read of its lists
-    that steers is named; with its lists left plain, the same program is silently wrong."""
+    """A metric object made in a batch by code that is not a factory (a MultiMetricStats's
+    per-key object; the recipe's own, in a dict) gets recording copies after that batch: a
+    later batch's read of its lists that steers is named; with its lists left plain, the
+    same program is silently wrong. (For the recipe's own object in a dict, the read of its
+    key already names it when two ranks make it.)"""
     from ddp_eval.state import _lazy_metrics
 
-    program = ([["own metric.append", "steer by [-1] of own['x'].scores"]] * 4, [0, 1, 0, 1], 2)
+    own = ([["own metric.append", "steer by [-1] of own['x'].scores"]] * 4, [0, 1, 0, 1], 2)
+    assert silently_wrong(*own) is None
+    program = ([["steer by [-1] of multi['a'].scores", "multi metric.append"]] * 6, [0, 1, 0, 1, 0, 1], 2)
     assert silently_wrong(*program) is None
     monkeypatch.setattr(_lazy_metrics, "LISTEN_TO_LISTS_MADE_ELSEWHERE", False)
     assert silently_wrong(*program) is not None
@@ -349,6 +353,14 @@ def test_a_read_of_one_key_another_rank_added_or_changed_is_seen(read, setter, a
     reading rank the key is absent (or holds its stage-start value) while in one process an
     earlier batch on another rank added (or set) it. Each was silently wrong before 0.9.1."""
     assert silently_wrong(*_one_key_read(read, setter, at, gap), start) is None
+
+
+@pytest.mark.fast
+def test_a_key_found_absent_then_set_and_counted_is_seen():
+    """``if k not in d: self.n += 1; d[k] = b`` (distinct speakers counted): with the key
+    on two ranks, each counts it; the dict is named by its own record, and so is what the
+    read steered."""
+    assert silently_wrong([["if k not in d: n += 1; d[k] = b"]] * 4, [0, 0, 1, 1], 2) is None
 
 
 # Programs the 10,000-program run by hand found silently wrong (docs/testing.md), kept as cases

@@ -582,6 +582,9 @@ class AttributeTracker:
         self._copies = list(self.notes.created)  # the recording copies its slots made (all, at stage start)
         self.read_then_set: Dict[str, set] = {}  # label set by a batch -> labels that batch read
         self.whole_reads: set = set()  # labels batches read whole: what a read steered may be a change not made
+        # labels a batch found a key absent in, then maybe set it (if k not in d: self.n += 1; d[k] = 1): if the
+        # value is named, its record did not replay alike, and what the read steered may differ too
+        self.absent_reads: set = set()
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
         self._added: List[Slot] = []  # watched since the batch began (created by it): seen after it
@@ -621,6 +624,7 @@ class AttributeTracker:
             indexed = {recorded.label for recorded in notes.indexed if _recording.read_by_index(recorded)}
             notes.reads.update(indexed)  # self.last = items[-1], if items[-1] > k: ...
             notes.whole.update(indexed)
+            notes.absent.update(recorded.label for recorded in notes.indexed if recorded.absent)
 
     def after_batch(self) -> None:
         """Notes what the batch just evaluated did: a look at the busy attributes,
@@ -638,6 +642,7 @@ class AttributeTracker:
             if reads - {label}:
                 self.read_then_set.setdefault(label, set()).update(reads - {label})
         self.whole_reads |= self.notes.whole
+        self.absent_reads |= self.notes.absent
         self._added = []
         self.batches += 1
 

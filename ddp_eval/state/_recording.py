@@ -80,7 +80,7 @@ class BatchNotes:
     ``t.sum()``) and ``sets`` (values the batch set) (see
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
-    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets")
+    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "absent")
 
     def __init__(self) -> None:
         self.listening = False
@@ -90,14 +90,15 @@ class BatchNotes:
         self.reads: set = set()
         self.whole: set = set()
         self.sets: set = set()
+        self.absent: set = set()  # dicts, sets and lists a batch found a key or index absent in
 
     def start(self) -> None:
         """A batch starts: what the previous one noted is forgotten."""
         for recorded in self.read:
             recorded._read = recorded._whole = False
         for recorded in self.indexed:
-            recorded._indexed = False
-        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets):
+            recorded._indexed = recorded.absent = False
+        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets, self.absent):
             noted.clear()
         self.listening = ENABLED
 
@@ -158,6 +159,7 @@ class _Recording:
     _whole = False  # ... as a whole (len, iteration, a comparison): what the batch adds after may depend on it
     _indexed = False  # a list read by index (items[-1]): an append after it may depend on it, hist[i] += 1 not
     raised = None  # a changing method that raised during a batch
+    absent = False  # the batch under way found a key or an index absent (k in d gave False, a KeyError)
     start_length = 0  # a list's length when the copy was made (entries from there on were appended by batches)
     steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
@@ -314,6 +316,7 @@ def _note_index(recorded: Any, index: Any, entry: Any) -> None:
         if not recorded._indexed:
             recorded._indexed, recorded.index_reads, recorded.index_sets = True, [], set()
             recorded._notes.indexed.append(recorded)
+        recorded.absent = recorded.absent or entry is None
         if not (type(index) is int and 0 <= index < recorded.start_length and (getattr(
                 entry, "_ddp_probe", False) or not isinstance(entry, _VALUES))):
             # a stage-start entry's probe replays its reads, nested[0].append(x) is its path; an entry batches

@@ -125,6 +125,10 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     steering = sorted({top_label(label) for label, why in result.assumed.items() if why == COMPARED_OTHERWISE})
     steering += sorted({label for report in reports for label in report.get("whole_reads", ()) if label in changed}
                        - set(steering))
+    named = {top_label(label) for label in (*result.conflicts, *result.assumed)} | {
+        top_label(label) for report in reports for label in report.get("unmergeable", ())}
+    steering += sorted({label for report in reports for label in report.get("absent_reads", ()) if label in named}
+                       - set(steering))
     if not steering:
         return
     why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
@@ -159,7 +163,8 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for label, read in piece.get("read_then_set", {}).items():
             read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
         merged["read_then_set"] = read_then_set
-        merged["whole_reads"] = sorted(set(merged["whole_reads"]) | set(piece.get("whole_reads", ())))
+        for key in ("whole_reads", "absent_reads"):
+            merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         merged["watched"] = sorted(set(merged["watched"]) | set(piece.get("watched", ())))
     return merged
 
@@ -286,6 +291,7 @@ class StageBook:
         return {"unmergeable": unmergeable,
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads),
+                "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
                 "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
                     self.metrics.objects))}
 
