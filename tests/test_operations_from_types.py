@@ -372,10 +372,15 @@ FOUND_BY_HAND = [
     # (0.9.0) a metric object a defaultdict made, whose append sorts and cuts by binding new lists, one batch a
     # rank: each rank's sort of one entry changed nothing
     ([["lazy metric keeps its hardest"]] * 3, [1, 2, 0], 3, True),
+    # (0.9.1) a number read by a method outside the fixed list (n.conjugate(), n.bit_length(), n & 1) on a rank
+    # where another rank's earlier batch had added to it: the probe did not note it
+    ([["steer by [-1] of own['x'].scores", "Tensor.apply_", "dict.get"], ["bytearray.replace"], [], [],
+      ["steer by int.conjugate", "Tensor.i0_"], []], [0, 1, 1, 1, 1, 1], 2, False),
 ]
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("program", FOUND_BY_HAND, ids=["min after +=", "str set then +", "lazy metric rebinds"])
+@pytest.mark.parametrize("program", FOUND_BY_HAND, ids=["min after +=", "str set then +", "lazy metric rebinds",
+                                                         "number method read"])
 def test_programs_found_by_hand_equal_one_process_or_are_named(program):
     assert silently_wrong(*program) is None

@@ -151,13 +151,22 @@ _NUMBER_READS = ("__int__", "__float__", "__index__", "__format__", "__str__", "
 
 
 def _uses(base: type) -> List[str]:
-    """What reads a probe's value: for numbers, :data:`_USES`; for strings and
-    bytes, every method of the type but ``+`` (``+=`` is concatenation,
-    replayed), taken from ``dir()``."""
-    if base in (int, float):
-        return [name for name in _USES + _NUMBER_READS if hasattr(base, name)]
-    own = (name for name in dir(base) if name not in ("__add__", "__getnewargs__", "__hash__", "__bytes__", "__str__")
-           and (name not in dir(object) or name in _USES))
+    """What reads a probe's value, taken from ``dir()``: every method of the type but
+    ``+`` and ``-`` (replayed; ``+=`` on a string is concatenation), with, for
+    numbers, their conversions (:data:`_NUMBER_READS`): a method a future Python
+    adds is a read too (``n.bit_count()``, ``n & 1``, ``x.hex()``).
+
+    Example
+    -------
+    >>> {"bit_length", "__and__", "conjugate", "__mod__"} <= set(_uses(int)), "hex" in _uses(float)
+    (True, True)
+    """
+    numbers = base in (int, float)
+    own = [name for name in dir(base) if name not in ("__add__", "__radd__", "__sub__", "__getnewargs__", "__hash__",
+                                                       "__bytes__", "__str__")
+           and (name not in dir(object) or name in _USES or (numbers and name in _NUMBER_READS))]
+    if numbers:
+        own += [name for name in _NUMBER_READS if name not in own and hasattr(base, name)]
     return [name for name in own if type(inspect.getattr_static(base, name)).__name__ in _METHOD_KINDS]
 
 
