@@ -334,25 +334,26 @@ def test_an_entry_batches_appended_read_by_its_index_from_the_start_is_seen(prog
     assert silently_wrong(per_batch, [0] * len(per_batch), 1) is None
 
 
-def _one_key_read(read, setter, at, gap):
+def _one_key_read(read, setter, at, gap, world_size):
     """Batch ``at`` (rank 0) adds a key or element that batch ``at + gap`` (rank 1, the
-    last) reads (see generated_programs._call_with_key)."""
+    last) reads (see generated_programs._call_with_key); ranks from 2 on get no batch."""
     per_batch = [[] for _ in range(at + gap + 1)]
     per_batch[at], per_batch[-1] = [setter], [f"steer by {read}"]
-    return per_batch, [0] * (at + gap) + [1], 2
+    return per_batch, [0] * (at + gap) + [1], world_size
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("start", [False, True])
 @pytest.mark.parametrize("read, setter, at, gap", [
     ("dict.__contains__", "dict.__setitem__", 3, 3), ("dict.get", "dict.__setitem__", 3, 3),
     ("dict.__getitem__", "dict.__setitem__", 3, 3), ("dict.__getitem__", "dict.__setitem__", 0, 3),
     ("set.__contains__", "set.add", 4, 4)])
-def test_a_read_of_one_key_another_rank_added_or_changed_is_seen(read, setter, at, gap, start):
+def test_a_read_of_one_key_another_rank_added_or_changed_is_seen(read, setter, at, gap, start, world_size):
     """``if k in d``, ``d.get(k)``, ``d[k]``, ``if x in s`` steering another value: on the
     reading rank the key is absent (or holds its stage-start value) while in one process an
     earlier batch on another rank added (or set) it. Each was silently wrong before 0.9.1."""
-    assert silently_wrong(*_one_key_read(read, setter, at, gap), start) is None
+    assert silently_wrong(*_one_key_read(read, setter, at, gap, world_size), start) is None
 
 
 @pytest.mark.fast

@@ -271,43 +271,31 @@ def _reading(kind: type, name: str):
     return read
 
 
-def _keyed(kind: type):
-    """A dict's ``d[k]``: the value of an entry (a number, a string; not a probe, which
-    replays its reads, nor a container, whose key is its path) and a key absent on this
-    rank (KeyError) are noted as read, as ``k in d`` is: on a rank they are what its
-    batches alone made of the entry. ``d[k] += 1`` sets it again: not a read."""
-    method = kind.__getitem__
-
-    def keyed(self, key):
-        try:
-            entry = method(self, key)
-        except KeyError:
-            _note_index(self, key, None)
-            raise
-        _note_entry(self, key, entry)
-        return entry
-    keyed.__name__ = "__getitem__"
-    return keyed
-
-
 def _note_entry(recorded: Any, key: Any, entry: Any) -> None:
+    """A dict's ``d[k]``: the value of an entry (a number, a string; not a probe, which
+    replays its reads, nor a container, whose key is its path) is noted as read, as
+    ``k in d`` is: on a rank it is what its batches alone made of the entry.
+    ``d[k] += 1`` sets it again: not a read."""
     if isinstance(entry, _VALUES) and not getattr(entry, "_ddp_probe", False):
         _note_index(recorded, key, entry)
 
 
-def _indexing(kind: type):
+def _entry_reading(kind: type, absent: type, note):
+    """``kind.__getitem__`` that notes the entry read (``note``), or, where ``absent``
+    (IndexError, KeyError) is raised, a read of an index or key this rank lacks: in one
+    process, another rank's batches may have put it there (``try: items[2]``)."""
     method = kind.__getitem__
 
-    def indexed(self, index):
+    def getitem(self, index):
         try:
             entry = method(self, index)
-        except IndexError:  # out of range on this rank (try: items[2]), maybe not in one process: a read
+        except absent:
             _note_index(self, index, None)
             raise
-        _note_index(self, index, entry)
+        note(self, index, entry)
         return entry
-    indexed.__name__ = "__getitem__"
-    return indexed
+    getitem.__name__ = "__getitem__"
+    return getitem
 
 
 def _note_index(recorded: Any, index: Any, entry: Any) -> None:
@@ -347,9 +335,9 @@ def _recording_class(kind: type) -> type:
                                                                                    "__getitem__", "__missing__")}
     namespace.update({name: _noting(kind, name) for name in changing})
     if _builtin(kind) is list:
-        namespace["__getitem__"] = _indexing(kind)
+        namespace["__getitem__"] = _entry_reading(kind, IndexError, _note_index)
     if _builtin(kind) is dict:
-        namespace["__getitem__"] = _keyed(kind)
+        namespace["__getitem__"] = _entry_reading(kind, KeyError, _note_entry)
         namespace["setdefault"] = _handing_probe(namespace["setdefault"])
         namespace["get"] = _handing_probe(kind.get)
     if _builtin(kind) is set:
