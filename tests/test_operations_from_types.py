@@ -297,20 +297,27 @@ def test_without_naming_what_a_read_steers_the_property_fails(monkeypatch):
 
 
 @pytest.mark.fast
-def test_a_read_of_a_metric_object_the_recipes_code_made_is_seen_from_its_next_batch(monkeypatch):
-    """A metric object made in a batch by code that is not a factory (a MultiMetricStats's
-    per-key object; the recipe's own, in a dict) gets recording copies after that batch: a
-    later batch's read of its lists that steers is named; with its lists left plain, the
-    same program is silently wrong. (For the recipe's own object in a dict, the read of its
-    key already names it when two ranks make it.)"""
+def test_a_read_of_a_metric_object_the_recipes_code_made_is_seen(monkeypatch):
+    """A metric object made in a batch by code that is not a factory gets recording
+    copies: a MultiMetricStats's per-key object as its ``metrics`` dict takes it (a read
+    of its lists in the batch that made it, on a rank whose batches come after another
+    rank's, is seen), the recipe's own (in a dict) after that batch. A read of its lists
+    that steers is named; with its lists left plain, the same programs are silently
+    wrong. (For the recipe's own object in a dict, the read of its key already names it
+    when two ranks make it.)"""
     from ddp_eval.state import _lazy_metrics
 
     own = ([["own metric.append", "steer by [-1] of own['x'].scores"]] * 4, [0, 1, 0, 1], 2)
     assert silently_wrong(*own) is None
-    program = ([["steer by [-1] of multi['a'].scores", "multi metric.append"]] * 6, [0, 1, 0, 1, 0, 1], 2)
-    assert silently_wrong(*program) is None
+    later = ([["steer by [-1] of multi['a'].scores", "multi metric.append"]] * 6, [0, 1, 0, 1, 0, 1], 2)
+    # rank 1 makes multi.metrics['a'] in batch 2 and reads len(...scores) there: 1 entry, one process 3
+    same = ([["multi metric.append"]] * 2 + [["multi metric.append", "steer by len of multi['a'].scores"]]
+            + [["multi metric.append"]], [0, 0, 1, 0], 2)
+    for program in (later, same):
+        assert silently_wrong(*program) is None
     monkeypatch.setattr(_lazy_metrics, "LISTEN_TO_LISTS_MADE_ELSEWHERE", False)
-    assert silently_wrong(*program) is not None
+    for program in (later, same):
+        assert silently_wrong(*program) is not None
 
 
 @pytest.mark.fast

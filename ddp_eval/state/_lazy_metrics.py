@@ -23,11 +23,13 @@ before the merged fields are written into it.
 import collections
 from typing import Any, Dict, Mapping, Tuple
 
+from speechbrain.utils.metric_stats import MultiMetricStats
+
 from ddp_eval.state._attributes import AttributeTracker, Slot
 from ddp_eval.state._probes import Factory
-from ddp_eval.state._recording import is_recording, listening_copy
+from ddp_eval.state._recording import announcing_copy, is_recording, listening_copy
 from ddp_eval.state._values import ABSENT
-from ddp_eval.state.metrics import MetricRecorder, all_flat, field_targets
+from ddp_eval.state.metrics import METRIC_TYPES, MetricRecorder, all_flat, field_targets
 
 LISTEN_TO_LISTS_MADE_ELSEWHERE = True  # recording copies in objects no factory made (tests switch it off)
 
@@ -39,7 +41,9 @@ class LazyMetricFields:
         self.metrics, self.attributes, self.owner = metrics, attributes, owner
         self.factories: Dict[str, Factory] = {}  # attribute -> the factory wrapped for the stage
         self.listened: list = []  # (object, field, copy): lists of objects no factory made, from their next batch
+        self.announcing: list = []  # MultiMetricStats whose per-key objects get recording copies as they are made
         self.wrap(metrics.objects)
+        self.announce(metrics.objects)
 
     def wrap(self, objects: Mapping[str, Any], taken: Mapping[str, Factory] = {}) -> None:
         """Wraps the factory of every ``defaultdict`` holding metric objects (or takes
@@ -66,6 +70,16 @@ class LazyMetricFields:
             for label, (sub, name) in field_targets({path: obj}).items():
                 self.watch(label, sub, name, batch, factory)
             self.listen(path, obj)
+        self.announce(objects)
+
+    def announce(self, objects: Mapping[str, Any]) -> None:
+        """A MultiMetricStats's ``metrics`` dict announces each per-key object it makes, which
+        gets recording copies at once: a read of its lists in the batch that made it is seen."""
+        for path, obj in all_flat(objects) if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
+            if isinstance(obj, MultiMetricStats) and type(vars(obj).get("metrics")) is dict:
+                obj.metrics = announcing_copy(obj.metrics, lambda key, made, path=path: self.listen(
+                    f"{path}.metrics[{key}]", made) if isinstance(made, METRIC_TYPES) else None)
+                self.announcing.append(obj)
 
     def listen(self, path: str, obj: Any) -> None:
         """Recording copies in place of the flat lists of an object no factory made
@@ -128,3 +142,7 @@ class LazyMetricFields:
             if is_recording(obj.__dict__.get(name)):
                 obj.__dict__[name] = list(obj.__dict__[name])
         self.listened = []
+        for obj in self.announcing:
+            if is_recording(vars(obj).get("metrics")):
+                obj.metrics = dict(obj.metrics)
+        self.announcing = []

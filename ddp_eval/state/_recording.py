@@ -37,7 +37,7 @@ import collections
 import collections.abc
 import io
 import types
-from typing import Any, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 from ddp_eval.state._numbers import probe
 from ddp_eval.state._values import as_builtin
@@ -432,6 +432,22 @@ def listening_copy(value: list, label: str, notes: BatchNotes = QUIET) -> Any:
     copy.ops, copy.handed, copy.built, copy.label, copy._notes = [], {}, [], label, notes
     copy.start_length = len(value)
     return copy
+
+
+def announcing_copy(value: dict, on_set: Callable[[Any, Any], None]) -> Any:
+    """A copy of a plain dict that calls ``on_set(key, entry)`` after each ``d[k] = entry``
+    (a MultiMetricStats's ``metrics``: a per-key object it makes gets recording copies
+    in the batch that makes it); it notes nothing, and passes as the plain dict
+    (``copy.copy``, pickle, yaml). ``dict(copy)`` is the plain dict back."""
+    copy = _Announcing(value)
+    copy.on_set, copy.ops, copy.handed, copy.built = on_set, [], {}, []
+    return copy
+
+
+class _Announcing(_CLASSES[dict]):
+    def __setitem__(self, key, entry):
+        dict.__setitem__(self, key, entry)
+        self.on_set(key, entry)
 
 
 def _fill(target: Any, source: Any, kind: type) -> None:
