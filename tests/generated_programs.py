@@ -113,7 +113,7 @@ class Brain:
     """What a recipe's Brain holds at stage start."""
 
     def __init__(self, start=False):
-        self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", "hparams"})
         for kind in CONTAINERS:
             setattr(self, _attribute(kind), _start(kind))
         self.text, self.blob, self.tup, self.rebuilt = "", b"", (), []
@@ -132,6 +132,9 @@ class Brain:
         self.multi = MultiMetricStats(metric=_scores_by_key, batch_eval=True)
         self.own = {}  # a metric object the recipe's own code makes in a batch
         self.t_list, self.nested = [], []  # a list of tensors (per-batch losses), a list of lists
+        # other references to watched containers: a second attribute, fields of hparams (one level deep)
+        self.same_nested = self.nested
+        self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list))
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -304,6 +307,12 @@ def _fixed():
             metric=_scores)))["x"].append([f"u{b}"], [value(b)]),
         "if len(metric.ids) < k: append": lambda h, b: h.m.append([f"u{b}"], [value(b)]) if len(h.m.ids) < 2
         else None,
+        # through another reference to a watched container
+        "hparams.holder.c_list.append": lambda h, b: h.hparams.holder.c_list.append(value(b)),
+        "hparams.c_dict[k] += 1": lambda h, b: h.hparams.c_dict.__setitem__(f"k{b % 4}", h.hparams.c_dict.get(
+            f"k{b % 4}", 0) + 1),
+        "same_nested.append([b])": lambda h, b: h.same_nested.append([-b]),
+        "same_nested = []": lambda h, b: setattr(h, "same_nested", []),
     }
 
 
@@ -375,6 +384,13 @@ def steering_reads():
                             "in": lambda v: "u1" in v}.items():  # a metric object's field, held or made lazily
             ops[f"steer by {label} of {owner}.{field}"] = lambda h, b, owner=owner, field=field, read=read: setattr(
                 h, "n", h.n + 1) if steers(read(getattr(_metric(h, owner), field))) else None
+    ops.update({  # reads through another reference to a watched container
+        "steer by len(hparams.holder.c_list)": lambda h, b: setattr(h, "n", h.n + 1) if steers(
+            len(h.hparams.holder.c_list)) else None,
+        "steer by k in hparams.c_dict": lambda h, b: setattr(h, "n", h.n + 1) if f"k{b % 5}" in h.hparams.c_dict
+        else None,
+        "steer by len(same_nested)": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.same_nested)) else None,
+    })
     ops.update({  # an entry read by index
         "steer by list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list[-1]) else None,
         "steer by array[0]": lambda h, b: h.c_list.append(b) if steers(float(h.arr[0])) else None,

@@ -25,8 +25,9 @@ rank, returning what ``on_stage_end`` saw.
 * ``idioms`` (issue 32): counters in a dataclass and a ``SimpleNamespace``, a set grown
   with ``|=``, ``d[k] = d.get(k, 0) + 1``, ``setdefault(k, []).append``, a transcript grown
   with ``+=``, a tensor accumulated through ``.data``, a ``MetricStats`` subclass with a
-  float field created lazily in a ``defaultdict``, and a best score declared
-  ``merge: max``: exact.
+  float field created lazily in a ``defaultdict``, a best score declared
+  ``merge: max``, and (issue 37) one list held by two attributes and ``hparams``, grown
+  through each: exact.
 * ``unmergeable_code`` (issue 32): a list sorted after each append, a ``deque(maxlen=5)``
   of recent ids, a count read from accumulated state (``len(self.scores)``), and (issue
   37) metric objects whose lists are sorted and cut, inserted into, trimmed, or appended
@@ -375,6 +376,7 @@ class PatternBrain(toy.ToyBrain):
         self.transcript, self.prob_acc = "", torch.zeros(toy.CLASSES, dtype=torch.float64)
         self.per_class = collections.defaultdict(ClassStats)
         self.best_score, self.last_ids = -1.0, None
+        self.utt_ids = self.every_id = self.hparams.eval_ids = []  # one list, three references (issue 37)
 
     def _batch_idioms(self, logits, labels, loss, batch, stage):
         preds = logits.detach().argmax(-1)
@@ -392,12 +394,16 @@ class PatternBrain(toy.ToyBrain):
         self.prob_acc.data += probs.sum(0)
         self.best_score = max(self.best_score, float(probs.max()))
         self.last_ids = list(batch.id)
+        self.utt_ids.extend(batch.id)
+        self.hparams.eval_ids.append(f"n{len(batch.id)}")
 
     def _end_idioms(self, stage, stage_loss, epoch):
         return {"tally": (self.tally.correct, self.tally.total), "ns": (self.ns.n, self.ns.total),
                 "seen": sorted(self.seen_labels), "per_label": dict(self.per_label), "per_spk": dict(self.per_spk),
                 "per_class": {k: (v.total, v.n) for k, v in self.per_class.items()}, "transcript": self.transcript,
-                "prob_acc": self.prob_acc.tolist(), "best": self.best_score, "last_ids": self.last_ids}
+                "prob_acc": self.prob_acc.tolist(), "best": self.best_score, "last_ids": self.last_ids,
+                "utt_ids": list(self.utt_ids), "aliases": (type(self.utt_ids).__name__, self.utt_ids is self.every_id
+                                                           is self.hparams.eval_ids)}
 
     # -- unmergeable_code (issue 32) -----------------------------------------------------
 

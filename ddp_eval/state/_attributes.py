@@ -187,6 +187,7 @@ class Slot:
         self.over_none = False  # the first binding was over None (an assignment, not a creation)
         self.told_set = False  # this batch's probe saw a new value bound, the old one unused
         self.watch = make_watch(self, self.start)
+        self.shared = False  # other references hold its recording copy: no probe in its place (_aliases)
 
     def fail(self, why: str) -> None:
         if self.why is None:
@@ -205,7 +206,7 @@ class Slot:
         """Puts a probe in place of a number (or lets dict entries do so)."""
         if self.why is not None:  # named: its probe only tells whether the batch read it
             self.probe = probe(self.obj) if type(self.obj) in PROBED_TYPES else None
-            self.rebuilt_probe = None if self.probe is not None else make_probe(self.obj, self.notes)
+            self.rebuilt_probe = None if self.probe is not None or self.shared else make_probe(self.obj, self.notes)
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
@@ -213,7 +214,8 @@ class Slot:
             self.probe = probe(self.obj)
             set_value(self.owner, self.name, self.probe)
         else:
-            if type(self.obj) in _PROBED_CONTAINERS or (self.obj is self.recorded and isinstance(self.obj, list)):
+            if not self.shared and (type(self.obj) in _PROBED_CONTAINERS or (
+                    self.obj is self.recorded and isinstance(self.obj, list))):
                 self.rebuilt_probe = make_probe(self.obj, self.notes)
                 if self.rebuilt_probe is not None:
                     set_value(self.owner, self.name, self.rebuilt_probe)

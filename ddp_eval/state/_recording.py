@@ -459,6 +459,11 @@ def _fill(target: Any, source: Any, kind: type) -> None:
         (kind.update if kind is set else kind.extend)(target, _builtin(kind).__iter__(source))
 
 
+def recordable(value: Any) -> bool:
+    """Whether :func:`recording_copy` gives ``value`` a recording copy (a container of :data:`TYPES`)."""
+    return ENABLED and type(value) in _CLASSES
+
+
 def is_recording(value: Any) -> bool:
     return isinstance(value, _Recording)
 

@@ -42,6 +42,7 @@ Example
 import pickle
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ddp_eval.state._aliases import SharedCopies, split_aliases
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
@@ -215,11 +216,18 @@ class StageBook:
                 targets[path] = resolve(brain, path)
         for path in config.merge:  # declared: merged by their reduction, not watched per batch
             targets.pop(path, None)
-        self.attributes = AttributeTracker(targets, config.attribute_memory_mb)
+        watched, self.aliases = split_aliases(targets)  # one record per container, however many hold it
+        self.attributes = AttributeTracker(watched, config.attribute_memory_mb)
         for path, reduction in config.merge.items():
             owner, name = resolve(brain, path) if "." in path else (brain, path)
             self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
+        self.shared = SharedCopies(brain, {label: targets[label] for label in self.aliases}, {
+            id(slot.original): (slot.original, slot.recorded, label) for label, slot in self.attributes.tracks.items()
+            if getattr(slot, "original", None) is not None})
+        shared = {id(held[4]) for held in self.shared.held}
+        for slot in self.attributes.tracks.values():
+            slot.shared = getattr(slot, "recorded", None) is not None and id(slot.recorded) in shared
         self._names_of: Tuple[Any, Any] = (None, None)  # (the Brain's attribute names, holders) last looked at
 
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
@@ -257,7 +265,7 @@ class StageBook:
         self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
         names, seen = vars(self.brain).keys(), self._names_of
         if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
-            self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
+            self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects) if n not in self.aliases})
             self._names_of = (set(names), holders)
         self.attributes.after_batch()
 
@@ -287,12 +295,12 @@ class StageBook:
         piece carries them, so that a resumed stage names what the interrupted
         run's batches did (:func:`with_journal_notes`)."""
         unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
-                       **self.lazy.rebound(self.metrics.objects)}
+                       **self.lazy.rebound(self.metrics.objects), **self.shared.rebound()}
         return {"unmergeable": unmergeable,
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads),
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
-                "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
+                "watched": sorted({top_label(label) for label in (*self.attributes.tracks, *self.aliases)} | _holders(
                     self.metrics.objects))}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
@@ -300,7 +308,7 @@ class StageBook:
         self.metrics.finish(self.brain, positions)
         self.attributes.finish(positions)
         self.lazy.release()
-        self.attributes.restore()
+        self.restore()
 
     def apply(self, merged: StageMerge, layouts: Sequence[Mapping[str, Any]], winners: Mapping[str, int],
               won: Sequence[Mapping[str, bytes]], rank: Optional[int] = None, stage: str = "") -> None:
@@ -321,7 +329,7 @@ class StageBook:
         try:
             self.attributes.apply(merged.attributes.merged, self.locate, last_value)
         finally:
-            self.attributes.restore()
+            self.restore()
 
     def locate(self, label: str) -> Tuple[Any, Any]:
         """``(owner, name)`` of a watched label."""
@@ -333,7 +341,15 @@ class StageBook:
         """The stage ended by an exception: plain numbers, factories and containers back."""
         self.attributes.release()
         self.lazy.release()
-        self.attributes.restore()
+        self.restore()
+
+    def restore(self) -> None:
+        """The containers held at stage start back in place of their recording copies,
+        for the attributes and for every other reference to them."""
+        try:
+            self.attributes.restore()
+        finally:
+            self.shared.restore()
 
 
 def simulate(positions_per_rank: Sequence[Sequence[int]], make, batch, config) -> Tuple[List[Any], List[Collected],
