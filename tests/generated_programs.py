@@ -133,7 +133,7 @@ class Brain:
         self.own = {}  # a metric object the recipe's own code makes in a batch
         self.t_list, self.nested = [], []  # a list of tensors (per-batch losses), a list of lists
         # other references to watched containers: a second attribute, fields of hparams (one level deep)
-        self.same_nested = self.nested
+        self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
         self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list))
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
@@ -313,6 +313,8 @@ def _fixed():
             f"k{b % 4}", 0) + 1),
         "same_nested.append([b])": lambda h, b: h.same_nested.append([-b]),
         "same_nested = []": lambda h, b: setattr(h, "same_nested", []),
+        "by_stage['valid'].append([b])": lambda h, b: h.by_stage["valid"].append([b + 100]),
+        "by_stage['valid'] = []": lambda h, b: h.by_stage.__setitem__("valid", []),
     }
 
 
@@ -390,6 +392,8 @@ def steering_reads():
         "steer by k in hparams.c_dict": lambda h, b: setattr(h, "n", h.n + 1) if f"k{b % 5}" in h.hparams.c_dict
         else None,
         "steer by len(same_nested)": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.same_nested)) else None,
+        "steer by len(by_stage['valid'])": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.by_stage[
+            "valid"])) else None,
     })
     ops.update({  # an entry read by index
         "steer by list[-1]": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list[-1]) else None,

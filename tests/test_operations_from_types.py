@@ -275,7 +275,7 @@ def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeyp
 
 
 # Another reference to a watched container: a second attribute, a field of hparams one level deep (issue 37)
-ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nested" in name] + [
+ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nested" in name or "by_stage" in name] + [
     "list.append", "nested.append([b])", "steer by nested[0]", "dict.__setitem__", "+= int"]
 
 
@@ -283,19 +283,19 @@ ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nes
 @SHORT
 @given(programs(names=ALIASED))
 def test_a_container_changed_or_read_through_another_reference_equals_one_process_or_is_named(program):
-    """``self.same = self.items``, ``self.hparams.items`` holding ``self.items``: each
-    reference holds the one recording copy for the stage, so what a batch changes or
-    reads through it is on the one record; a reference a batch bound anew is named."""
+    """``self.same = self.items``, ``{"valid": self.items}``, ``self.hparams.items``
+    holding ``self.items``: each place holds the one recording copy for the stage, so
+    what a batch changes or reads through it is on the one record; a place a batch
+    bound anew is named."""
     _check(program)
 
 
 @pytest.mark.fast
 def test_without_shared_recording_copies_the_property_fails(monkeypatch):
-    """With each reference left holding the container itself (0.9.1), hypothesis finds a
-    program that is silently wrong (a read or an append through hparams, two attributes)."""
-    from ddp_eval.state import _aliases
-
-    _fails_when_switched_off(monkeypatch, _aliases, "SHARE_COPIES", ALIASED)
+    """With each place left holding the container itself or a recording copy of its own
+    (0.9.1), hypothesis finds a program that is silently wrong (a read or an append
+    through hparams, two attributes, a dict entry)."""
+    _fails_when_switched_off(monkeypatch, _recording, "SHARE_COPIES", ALIASED)
 
 
 # A read of an accumulated value that steers a change of another (issue 37): the reads by every

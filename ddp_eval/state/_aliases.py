@@ -1,53 +1,45 @@
-"""Other references to a container the stage watches hold its recording copy.
+"""The fields of ``hparams`` that hold a watched container hold its recording copy.
 
 A recording copy stands in for a container held at stage start
-(:mod:`ddp_eval.state._recording`). The recipe may reach the same container
-another way: a second attribute (``self.all_ids = self.ids = []``), a field of an
-object in ``hparams`` (``self.items = self.hparams.items``), one level deep as
-:mod:`ddp_eval.state._outside` looks. Each such reference holds the same
-recording copy for the stage, so what a batch does or reads through it is noted
-on the one record, and gets the container back (with the merged contents) at the
-end, as the attribute does. A reference a batch bound anew is named.
+(:mod:`ddp_eval.state._recording`); a second watched place that holds the same
+container (another attribute, a dict's or list's entry) shares it
+(:class:`ddp_eval.state._attributes.Slot`). The recipe may also reach it through a
+field of ``hparams``, one level deep as :mod:`ddp_eval.state._outside` looks
+(``self.hparams.ids``, ``self.hparams.holder.ids``): such a field holds the same
+recording copy for the stage, so what a batch does or reads through it is on the
+container's one record, and gets the container back (with the merged contents) at
+the end. A field a batch bound anew is named, with the value it shared the
+container with. At the end, an attribute of the Brain or a field of ``hparams`` a
+batch bound to a recording copy (``self.current = self.items``) gets the container
+back too: no stand-in outlives the stage.
 
 Example
 -------
 >>> import types
->>> brain = types.SimpleNamespace(ids=[], hparams=types.SimpleNamespace())
->>> brain.every_id = brain.hparams.ids = brain.ids
->>> watched, aliases = split_aliases({"every_id": (brain, "every_id"), "ids": (brain, "ids")})
->>> sorted(watched), aliases
-(['every_id'], {'ids': 'every_id'})
+>>> from ddp_eval.state._recording import BatchNotes, recording_copy
+>>> ids = []
+>>> brain = types.SimpleNamespace(ids=ids, hparams=types.SimpleNamespace(ids=ids))
+>>> notes = BatchNotes()
+>>> brain.ids = recording_copy(ids, notes)
+>>> notes.copies[id(ids)] = (ids, brain.ids, "ids")
+>>> shared = SharedCopies(brain, notes)
+>>> brain.hparams.ids is brain.ids
+True
+>>> brain.ids.append("u1"); shared.restore(); brain.hparams.ids is ids
+True
 """
 
 import itertools
-from typing import Any, Dict, Iterable, List, Mapping, Tuple
+from typing import Any, Iterable, List, Tuple
 
 from ddp_eval import sb_compat
+from ddp_eval.state import _recording
 from ddp_eval.state._outside import _attributes
-from ddp_eval.state._recording import recordable
-from ddp_eval.state._values import get_value, set_value
-
-Place = Tuple[Any, Any]  # (owner, name)
-SHARE_COPIES = True  # other references hold the recording copy (tests switch it off to show that it matters)
+from ddp_eval.state._recording import BatchNotes, recordable
+from ddp_eval.state._values import get_value
 
 
-def split_aliases(targets: Mapping[str, Place]) -> Tuple[Dict[str, Place], Dict[str, str]]:
-    """``(targets to watch, {label: label it aliases})``: of labels whose containers are
-    one object, the first in sorted order is watched, the others alias it."""
-    first: Dict[int, str] = {}
-    watched, aliases = {}, {}
-    for label in sorted(targets):
-        value = get_value(*targets[label])
-        if recordable(value) and id(value) in first and SHARE_COPIES:
-            aliases[label] = first[id(value)]
-        else:
-            watched[label] = targets[label]
-            if recordable(value):
-                first[id(value)] = label
-    return watched, aliases
-
-
-def _outside_places(brain: Any) -> Iterable[Tuple[str, Any, str, Any]]:
+def _hparams_fields(brain: Any) -> Iterable[Tuple[str, Any, str, Any]]:
     """``(label, owner, name, value)`` of the fields of ``brain.hparams``, one level deep."""
     hparams = getattr(brain, "hparams", None)
     for name, obj in _attributes(hparams) if hparams is not None else ():
@@ -58,61 +50,58 @@ def _outside_places(brain: Any) -> Iterable[Tuple[str, Any, str, Any]]:
 
 
 class SharedCopies:
-    """The references that hold a watched container's recording copy for the stage.
+    """The fields of ``hparams`` that hold a watched container's recording copy for the stage.
 
     Arguments
     ---------
     brain : object
-        The recipe's Brain (its ``hparams`` are looked at).
-    places : dict
-        ``{alias label: (owner, name)}`` of the aliases :func:`split_aliases` found.
-    copies : dict
-        ``{id(original container): (original, recording copy, label)}`` of the containers watched.
+        The recipe's Brain.
+    notes : BatchNotes
+        The stage's notes, whose ``copies`` are the containers watched and their recording copies.
     """
 
-    def __init__(self, brain: Any, places: Mapping[str, Place], copies: Mapping[int, Tuple[Any, Any, str]]) -> None:
-        self.brain, self.copies = brain, {id(copy): (original, copy) for original, copy, _ in copies.values()}
-        self.held: List[Tuple[str, Any, Any, Any, Any, str]] = []  # (label, owner, name, original, copy, of)
-        found = [(label, owner, name, get_value(owner, name)) for label, (owner, name) in places.items()]
-        found += [place for place in _outside_places(brain) if recordable(place[3]) and SHARE_COPIES]
-        for label, owner, name, original in found:
-            original, copy, of = copies.get(id(original), (None, None, None))
-            if copy is not None:
-                _put(owner, name, copy)
-                self.held.append((label, owner, name, original, copy, of))
+    def __init__(self, brain: Any, notes: BatchNotes) -> None:
+        self.brain = brain
+        self.copies = {id(copy): (original, copy) for original, copy, _ in notes.copies.values()}
+        self.held: List[Tuple[str, Any, Any, Any, str]] = []  # (label, owner, name, copy, of)
+        for label, owner, name, value in _hparams_fields(brain) if _recording.SHARE_COPIES else ():
+            if recordable(value) and id(value) in notes.copies:
+                original, copy, of = notes.copies[id(value)]
+                vars(owner)[name] = copy  # not the owner's __setattr__ (a module's)
+                notes.shared.setdefault(id(copy), []).append(label)
+                self.held.append((label, owner, name, copy, of))
+        self.notes = notes
 
-    def rebound(self) -> Dict[str, str]:
-        """``{label: why}`` of the references a batch bound another value to, and of the
-        values they shared a container with (in one process, what a later batch did
-        through the reference went to the new value, not to the container)."""
-        found = {}
-        for label, owner, name, _, copy, of in self.held:
+    def note_rebound(self) -> None:
+        """Notes the fields a batch bound another value to
+        (:meth:`ddp_eval.state._recording.BatchNotes.rebound`)."""
+        for _, owner, name, copy, of in self.held:
             if get_value(owner, name) is not copy:
-                for named in (label, of):
-                    found[named] = (f"{label} held the same container as {of} at stage start (an alias), and a batch "
-                                    "bound another value to it: ddp_eval keeps one record per container; bind the "
-                                    "two apart in on_stage_start, or change the container in place only")
-        return found
+                self.notes.rebound(copy, of)
+
+    def touched(self) -> List[str]:
+        """Labels of the containers several places hold that this rank's batches changed in place."""
+        return sorted(label for original, copy, label in self.notes.copies.values()
+                      if id(copy) in self.notes.shared and _changed(original, copy))
 
     def restore(self) -> None:
-        """Each reference gets its container back (which holds the merged contents),
-        and so does an attribute of the Brain or a field of ``hparams`` a batch bound to
-        a recording copy (``self.current = self.items``): no stand-in outlives the stage."""
-        places = [(owner, name, copy) for _, owner, name, _, copy, _ in self.held]
-        places += [(owner, name, value) for owner, name, value in itertools.chain(
-            ((self.brain, name, value) for name, value in _attributes(self.brain)),
-            ((owner, name, value) for _, owner, name, value in _outside_places(self.brain)))
-            if id(value) in self.copies]
-        for owner, name, copy in places:
-            original, expected = self.copies.get(id(copy), (None, None))
-            if expected is copy and get_value(owner, name) is copy:
-                _put(owner, name, original)
+        """Each field gets its container back (which holds the merged contents), and so
+        does any attribute of the Brain or field of ``hparams`` that holds a recording copy."""
+        places = itertools.chain(((self.brain, name, value) for name, value in _attributes(self.brain)),
+                                 ((owner, name, value) for _, owner, name, value in _hparams_fields(self.brain)))
+        for owner, name, value in places:
+            original, copy = self.copies.get(id(value), (None, None))
+            if copy is not None and value is copy:
+                vars(owner)[name] = original
         self.held = []
 
 
-def _put(owner: Any, name: Any, value: Any) -> None:
-    """``owner.name = value`` without the owner's ``__setattr__`` (a module's), or an entry."""
-    if isinstance(owner, (dict, list)) or not hasattr(owner, "__dict__"):
-        set_value(owner, name, value)
-    else:
-        vars(owner)[name] = value
+def _changed(original: Any, copy: Any) -> bool:
+    """Whether the recording ``copy`` holds other contents than the container it stands for
+    (still as at stage start: the merged contents are written into it afterwards)."""
+    if copy.ops:
+        return True
+    try:
+        return bool(type(original)(copy) != original)
+    except Exception:  # entries that compare by element (tensors): by identity
+        return len(copy) != len(original) or any(a is not b for a, b in zip(copy, original))

@@ -99,6 +99,7 @@ from ddp_eval.state._watches import (
     ListWatch,
     ObjectWatch,
     SetWatch,
+    SharingWatch,
     StreamWatch,
     TensorWatch,
     make_watch,
@@ -159,11 +160,20 @@ class Slot:
         self.label, self.owner, self.name, self.budget, self.depth = label, owner, name, budget, depth
         self.notes = BatchNotes() if notes is None else notes  # the stage's: what the batch under way does
         self.start = get_value(owner, name) if start is None else start
+        # another place (an attribute, an entry) already holds this container: its recording copy, one record
+        self.shared_from = self.notes.copies.get(id(self.start)) if _recording.recordable(
+            self.start) and _recording.SHARE_COPIES else None
         # a container held at stage start: a recording copy stands in for it until restore()
-        self.original, self.recorded = self.start, recording_copy(self.start, self.notes)
-        if self.recorded is None:
+        self.original, self.recorded = self.start, None if self.shared_from else recording_copy(self.start,
+                                                                                                 self.notes)
+        if self.shared_from is not None:
+            self.original, self.start = None, self.shared_from[1]
+            self.notes.shared.setdefault(id(self.start), []).append(label)
+            set_value(owner, name, self.start)
+        elif self.recorded is None:
             self.original = None
         else:
+            self.notes.copies[id(self.original)] = (self.original, self.recorded, label)
             self.original_mark = None if isinstance(self.recorded, RecordingIterator) else Fingerprint.of(
                 self.original, depth=1)  # changed through another reference?
             self.recorded.label = top_label(label)
@@ -186,8 +196,21 @@ class Slot:
         self.compared = False  # a batch compared it (if it is named, what the comparison steered may differ)
         self.over_none = False  # the first binding was over None (an assignment, not a creation)
         self.told_set = False  # this batch's probe saw a new value bound, the old one unused
-        self.watch = make_watch(self, self.start)
-        self.shared = False  # other references hold its recording copy: no probe in its place (_aliases)
+        self.watch = make_watch(self, self.start) if self.shared_from is None else SharingWatch(self, self.start)
+
+    def check_shared(self) -> None:
+        """At stage end: if it held a container other places held too, and a batch bound
+        another value to it, every place that held the container is named."""
+        if self.shared_from is not None and get_value(self.owner, self.name) is not self.shared_from[1]:
+            self.notes.rebound(self.shared_from[1], self.shared_from[2])
+        elif self._shared() and get_value(self.owner, self.name) is not self.recorded:
+            self.notes.rebound(self.recorded, self.label)
+        for entry in getattr(self.watch, "entries", {}).values():
+            entry.check_shared()
+
+    def _shared(self) -> bool:
+        """Whether another place holds its recording copy too (no probe may stand in for it there)."""
+        return self.recorded is not None and id(self.recorded) in self.notes.shared
 
     def fail(self, why: str) -> None:
         if self.why is None:
@@ -206,7 +229,7 @@ class Slot:
         """Puts a probe in place of a number (or lets dict entries do so)."""
         if self.why is not None:  # named: its probe only tells whether the batch read it
             self.probe = probe(self.obj) if type(self.obj) in PROBED_TYPES else None
-            self.rebuilt_probe = None if self.probe is not None or self.shared else make_probe(self.obj, self.notes)
+            self.rebuilt_probe = None if self.probe is not None or self._shared() else make_probe(self.obj, self.notes)
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
@@ -214,7 +237,7 @@ class Slot:
             self.probe = probe(self.obj)
             set_value(self.owner, self.name, self.probe)
         else:
-            if not self.shared and (type(self.obj) in _PROBED_CONTAINERS or (
+            if not self._shared() and (type(self.obj) in _PROBED_CONTAINERS or (
                     self.obj is self.recorded and isinstance(self.obj, list))):
                 self.rebuilt_probe = make_probe(self.obj, self.notes)
                 if self.rebuilt_probe is not None:
@@ -439,6 +462,7 @@ class Slot:
         """What changed after the last batch (at position ``inf``); probes taken away."""
         self.observe(batch)
         self.release()
+        self.check_shared()
         if self.recorded is not None:
             self.fail(unmergeable_operations(self.recorded) or "")
             if self.why == "":
@@ -464,6 +488,14 @@ class Slot:
         with the copy's contents (merged, or this rank's); entries first."""
         for entry in getattr(self.watch, "entries", {}).values():
             entry.restore()
+        if self.shared_from is not None:
+            original, copy, _ = self.shared_from
+            if get_value(self.owner, self.name) is copy:
+                set_value(self.owner, self.name, original)
+            for holder, name in ((self, "start"), (self, "obj"), (self.watch, "obj")):
+                if getattr(holder, name) is copy:
+                    setattr(holder, name, original)
+            return
         if self.original is None:
             return
         recorded, original, self.original = self.recorded, self.original, None
@@ -667,7 +699,8 @@ class AttributeTracker:
         """``{label: why}`` of the values named so far; one a batch compared before it
         was named is a read that steered (:attr:`whole_reads`): its replay is unchecked."""
         named = {label: slot.why for label, slot in sorted(self.tracks.items()) if slot.why is not None}
-        self.whole_reads.update(top_label(label) for label in named if getattr(self.tracks[label], "compared", False))
+        self.whole_reads.update(top_label(label) for label in named if getattr(self.tracks.get(label), "compared",
+                                                                                 False))
         return named
 
     def piece(self, positions: Sequence[int]) -> Dict[str, Change]:

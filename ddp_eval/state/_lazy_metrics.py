@@ -70,7 +70,7 @@ class LazyMetricFields:
             for label, (sub, name) in field_targets({path: obj}).items():
                 self.watch(label, sub, name, batch, factory)
             self.listen(path, obj)
-        self.announce(objects)
+            self.announce({path: obj})
 
     def announce(self, objects: Mapping[str, Any]) -> None:
         """A MultiMetricStats's ``metrics`` dict announces each per-key object it makes, which

@@ -64,6 +64,7 @@ REMEDY = {
     collections.deque: "append to a list and keep its last entries in on_stage_end",
 }
 ENABLED = True  # the operations seen and the stage-end checks by value; tests switch them off to show they matter
+SHARE_COPIES = True  # every watched place holding a container holds its one recording copy (tests switch it off)
 STEERABLE = True  # a container grown after a batch read it whole is named (tests switch it off)
 TYPES = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict, collections.defaultdict,
          bytearray)
@@ -80,7 +81,8 @@ class BatchNotes:
     ``t.sum()``) and ``sets`` (values the batch set) (see
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
-    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "absent")
+    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "absent", "copies",
+                 "shared", "rebound_places")
 
     def __init__(self) -> None:
         self.listening = False
@@ -91,6 +93,16 @@ class BatchNotes:
         self.whole: set = set()
         self.sets: set = set()
         self.absent: set = set()  # dicts, sets and lists a batch found a key or index absent in
+        self.copies: dict = {}  # id(container held at stage start) -> (container, its recording copy, label)
+        self.shared: dict = {}  # id(recording copy) -> labels of the other places holding it (no probe stands in)
+        self.rebound_places: dict = {}  # label of a shared container -> every place that held it (one was bound anew)
+
+    def rebound(self, copy: Any, primary: str) -> None:
+        """A place that held ``copy`` (the recording copy of ``primary``'s container) with
+        other places was bound anew by a batch: if any rank changed the container in
+        place, every place that held it is named at the merge (in one process, what
+        later batches did through the rebound place went elsewhere)."""
+        self.rebound_places[primary] = sorted({primary, *self.shared[id(copy)]})
 
     def start(self) -> None:
         """A batch starts: what the previous one noted is forgotten."""

@@ -130,6 +130,20 @@ def _marker(obj: Any, depth: int = 4) -> Optional[Fingerprint]:
     return Fingerprint.of(obj, depth)
 
 
+class SharingWatch(Watch):
+    """A place that holds, at stage start, a container another watched place holds
+    (``self.every_id = self.ids``, ``{"valid": self.ids}``): the other place's record
+    follows its changes, whichever place they go through; this one only whether a
+    batch binds another value to it (:meth:`ddp_eval.state._attributes.Slot.finish`)."""
+
+    def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
+        super().__init__(slot, obj)
+        self.marker = None
+
+    def finish(self) -> None:
+        pass
+
+
 class BoundWatch(Watch):
     """An object a batch bound anew (``self.last_batch = ...``): all that matters
     is whether a later batch changes it in place (then it cannot be merged), so

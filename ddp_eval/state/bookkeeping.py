@@ -42,7 +42,7 @@ Example
 import pickle
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ddp_eval.state._aliases import SharedCopies, split_aliases
+from ddp_eval.state._aliases import SharedCopies
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
@@ -109,6 +109,28 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
                 "on each rank it is computed from that rank's batches only; compute it in on_stage_end from the "
                 "merged values")
     _name_what_a_steering_read_may_have_left_undone(result, reports, changed)
+    _name_places_bound_apart(result, reports)
+
+
+def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> None:
+    """A container several places held at stage start (``self.every_id = self.ids``)
+    has one record, whichever place a batch changed it through. If a batch bound
+    another value to one of those places and some rank's batches changed the container
+    in place, what one process did through that place after the binding went to the
+    new value, not the container: every place that held it is named."""
+    changed = {label for report in reports for label in report.get("shared_changed", ())}
+    for report in reports:
+        for container, places in report.get("shared_rebound", {}).items():
+            if container not in changed:
+                continue
+            for label in {top_label(place) for place in places}:
+                for key in [k for k in result.merged if top_label(k) == label]:
+                    del result.merged[key]
+                result.conflicts.setdefault(label, (
+                    f"it held the same container as {[p for p in places if top_label(p) != label]} at stage start, a "
+                    "batch bound another value to one of them, and batches changed the container in place: ddp_eval "
+                    "keeps one record per container, whichever place a batch changed it through; bind them apart in "
+                    "on_stage_start, or change the container in place only"))
 
 
 NAME_WHAT_READS_STEER = True  # tests switch it off to show that it matters
@@ -164,8 +186,9 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for label, read in piece.get("read_then_set", {}).items():
             read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
         merged["read_then_set"] = read_then_set
-        for key in ("whole_reads", "absent_reads"):
+        for key in ("whole_reads", "absent_reads", "shared_changed"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
+        merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
         merged["watched"] = sorted(set(merged["watched"]) | set(piece.get("watched", ())))
     return merged
 
@@ -216,18 +239,12 @@ class StageBook:
                 targets[path] = resolve(brain, path)
         for path in config.merge:  # declared: merged by their reduction, not watched per batch
             targets.pop(path, None)
-        watched, self.aliases = split_aliases(targets)  # one record per container, however many hold it
-        self.attributes = AttributeTracker(watched, config.attribute_memory_mb)
+        self.attributes = AttributeTracker(targets, config.attribute_memory_mb)
         for path, reduction in config.merge.items():
             owner, name = resolve(brain, path) if "." in path else (brain, path)
             self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
-        self.shared = SharedCopies(brain, {label: targets[label] for label in self.aliases}, {
-            id(slot.original): (slot.original, slot.recorded, label) for label, slot in self.attributes.tracks.items()
-            if getattr(slot, "original", None) is not None})
-        shared = {id(held[4]) for held in self.shared.held}
-        for slot in self.attributes.tracks.values():
-            slot.shared = getattr(slot, "recorded", None) is not None and id(slot.recorded) in shared
+        self.shared = SharedCopies(brain, self.attributes.notes)  # hparams' references to them too
         self._names_of: Tuple[Any, Any] = (None, None)  # (the Brain's attribute names, holders) last looked at
 
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
@@ -265,7 +282,7 @@ class StageBook:
         self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
         names, seen = vars(self.brain).keys(), self._names_of
         if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
-            self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects) if n not in self.aliases})
+            self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
             self._names_of = (set(names), holders)
         self.attributes.after_batch()
 
@@ -294,13 +311,15 @@ class StageBook:
         values read whole (``whole_reads``), and every value ``watched``. A journal
         piece carries them, so that a resumed stage names what the interrupted
         run's batches did (:func:`with_journal_notes`)."""
+        self.shared.note_rebound()
         unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
-                       **self.lazy.rebound(self.metrics.objects), **self.shared.rebound()}
+                       **self.lazy.rebound(self.metrics.objects)}
         return {"unmergeable": unmergeable,
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads),
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
-                "watched": sorted({top_label(label) for label in (*self.attributes.tracks, *self.aliases)} | _holders(
+                "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
+                "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
                     self.metrics.objects))}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
