@@ -26,8 +26,8 @@ rank, returning what ``on_stage_end`` saw.
   with ``|=``, ``d[k] = d.get(k, 0) + 1``, ``setdefault(k, []).append``, a transcript grown
   with ``+=``, a tensor accumulated through ``.data``, a ``MetricStats`` subclass with a
   float field created lazily in a ``defaultdict``, a best score declared
-  ``merge: max``, and (issue 37) one list held by two attributes and ``hparams``, grown
-  through each: exact.
+  ``merge: max``, and (issue 37) one list held by two attributes, a dict's entry and
+  ``hparams``, grown through each: exact.
 * ``unmergeable_code`` (issue 32): a list sorted after each append, a ``deque(maxlen=5)``
   of recent ids, a count read from accumulated state (``len(self.scores)``), and (issue
   37) metric objects whose lists are sorted and cut, inserted into, trimmed, or appended
@@ -376,7 +376,8 @@ class PatternBrain(toy.ToyBrain):
         self.transcript, self.prob_acc = "", torch.zeros(toy.CLASSES, dtype=torch.float64)
         self.per_class = collections.defaultdict(ClassStats)
         self.best_score, self.last_ids = -1.0, None
-        self.utt_ids = self.every_id = self.hparams.eval_ids = []  # one list, three references (issue 37)
+        self.utt_ids = self.every_id = self.hparams.eval_ids = []  # one list, four places (issue 37)
+        self.by_stage = {stage.name: self.utt_ids}
 
     def _batch_idioms(self, logits, labels, loss, batch, stage):
         preds = logits.detach().argmax(-1)
@@ -396,6 +397,7 @@ class PatternBrain(toy.ToyBrain):
         self.last_ids = list(batch.id)
         self.utt_ids.extend(batch.id)
         self.hparams.eval_ids.append(f"n{len(batch.id)}")
+        self.by_stage[stage.name].append(batch.id[-1])
 
     def _end_idioms(self, stage, stage_loss, epoch):
         return {"tally": (self.tally.correct, self.tally.total), "ns": (self.ns.n, self.ns.total),
@@ -403,7 +405,7 @@ class PatternBrain(toy.ToyBrain):
                 "per_class": {k: (v.total, v.n) for k, v in self.per_class.items()}, "transcript": self.transcript,
                 "prob_acc": self.prob_acc.tolist(), "best": self.best_score, "last_ids": self.last_ids,
                 "utt_ids": list(self.utt_ids), "aliases": (type(self.utt_ids).__name__, self.utt_ids is self.every_id
-                                                           is self.hparams.eval_ids)}
+                                                           is self.hparams.eval_ids is self.by_stage[stage.name])}
 
     # -- unmergeable_code (issue 32) -----------------------------------------------------
 
