@@ -200,7 +200,8 @@ class Slot:
 
     def check_shared(self) -> None:
         """At stage end: if it held a container other places held too, and a batch bound
-        another value to it, every place that held the container is named."""
+        another value to it, the places are noted (named at the merge if any rank
+        changed the container in place: :func:`ddp_eval.state.bookkeeping.name_values_read_from_partial_state`)."""
         if self.shared_from is not None and get_value(self.owner, self.name) is not self.shared_from[1]:
             self.notes.rebound(self.shared_from[1], self.shared_from[2])
         elif self._shared() and get_value(self.owner, self.name) is not self.recorded:
