@@ -298,6 +298,52 @@ def test_without_shared_recording_copies_the_property_fails(monkeypatch):
     _fails_when_switched_off(monkeypatch, _recording, "SHARE_COPIES", ALIASED)
 
 
+class _Holder:
+    """A Brain whose list, filled at stage start, two attributes hold, and whose log holds
+    the list a previous stage bound to ``last_ids``."""
+
+    def __init__(self):
+        self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", "hparams"})
+        self.items = self.same = [1, 2, 3]
+        self.last_ids = ["u0"]
+        self.log, self.n, self.hparams = [{"last_ids": self.last_ids}], 0, types.SimpleNamespace()
+
+
+def _simulated(batch, layout):
+    one = _Holder()
+    for b in range(sum(map(len, layout))):
+        batch(one, b)
+    brains, records, merged = simulate(layout, _Holder, batch, DDPEvalConfig())
+    named = {top for record in records for top in record.report["unmergeable"]}
+    named |= set(merged.attributes.conflicts) | set(merged.attributes.assumed)
+    return one, brains, {label.split("[")[0].split(".")[0] for label in named}
+
+
+@pytest.mark.fast
+def test_a_place_bound_anew_names_the_places_of_a_container_read_or_changed_and_only_then():
+    """One rank binds ``self.same = []``; another reads ``len(self.same)``, which on that
+    rank is the stage-start list: in one process, the new one. The places and what the
+    read steered are named. A place bound anew whose container no batch changed or read
+    (``self.last_ids = ids`` while the log holds the old list) stays exact and unnamed."""
+    def read_after_rebind(h, b):
+        if b == 0:
+            h.same = []
+        if b == 1 and len(h.same) > 1:
+            h.n += 1
+
+    one, brains, named = _simulated(read_after_rebind, [[0], [1]])
+    assert one.n == 0 and any(brain.n != one.n for brain in brains)
+    assert {"items", "same", "n"} <= named, named
+
+    def last_ids(h, b):
+        h.last_ids = [f"u{b}"]
+
+    one, brains, named = _simulated(last_ids, [[0, 2], [1]])
+    assert not named, named
+    for brain in brains:
+        assert (brain.last_ids, brain.log) == (one.last_ids, one.log) == (["u2"], [{"last_ids": ["u0"]}])
+
+
 # A read of an accumulated value that steers a change of another (issue 37): the reads by every
 # method dir() gives for int, float, list and torch.Tensor, and the builtins that read a value whole
 CHANGES = ["+= int", "+= float", "list.append", "list.__setitem__", "Tensor.add_", "Tensor.mul_", "numpy.add(out=)",

@@ -95,6 +95,7 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
     on each rank, what that rank's batches alone made of it: it is named (a
     conflict, left rank-local), never merged. What such a read may have steered
     otherwise is named too (:func:`_name_what_a_steering_read_may_have_left_undone`)."""
+    _name_places_bound_apart(result, reports)  # first: a read of what it names may have steered
     changed = {top_label(label) for label in (*result.merged, *result.conflicts)}
     changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())} | set(grown)
     for rank, report in enumerate(reports):
@@ -109,19 +110,20 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
                 "on each rank it is computed from that rank's batches only; compute it in on_stage_end from the "
                 "merged values")
     _name_what_a_steering_read_may_have_left_undone(result, reports, changed)
-    _name_places_bound_apart(result, reports)
 
 
 def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> None:
     """A container several places held at stage start (``self.every_id = self.ids``)
     has one record, whichever place a batch changed it through. If a batch bound
     another value to one of those places and some rank's batches changed the container
-    in place, what one process did through that place after the binding went to the
-    new value, not the container: every place that held it is named."""
+    in place, or read it whole (its reads carry the label of the place watched first),
+    what one process did or read through that place after the binding went to the new
+    value, not the container: every place that held it is named."""
     changed = {label for report in reports for label in report.get("shared_changed", ())}
+    read = {label for report in reports for label in report.get("whole_reads", ())}
     for report in reports:
         for container, places in report.get("shared_rebound", {}).items():
-            if container not in changed:
+            if container not in changed and top_label(container) not in read:
                 continue
             for label in {top_label(place) for place in places}:
                 for key in [k for k in result.merged if top_label(k) == label]:
