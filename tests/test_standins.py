@@ -31,6 +31,7 @@ class Brain:
         self.per = collections.defaultdict(int, a=1)
         self.acc, self.arr, self.bytes_seen = torch.zeros(3), np.zeros(3), bytearray(b"a")
         self.wer = ErrorRateStats()  # a metric object: its lists are recording copies
+        self.same_items, self.by_stage = self.items, {"v": self.items}  # other places holding the list
         self.seen = []  # what each batch saw: not watched
 
 
@@ -80,6 +81,7 @@ def batch(brain, b):
     brain.x += 0.5
     brain.text += f"{b};"
     brain.items.append(b)
+    brain.by_stage["v"].append(-b)  # the same list, through another place
     brain.table[f"k{b}"] = b
     brain.per[f"k{b % 2}"] += 1
     brain.acc += 1
@@ -115,3 +117,4 @@ def test_stand_ins_serialise_as_the_plain_values_during_a_batch_and_are_plain_af
             assert type(getattr(brain, name)) is type(getattr(plain, name)), name
             assert _same(getattr(brain, name), getattr(plain, name)) or name in ("acc", "arr"), name
         assert torch.equal(brain.acc, plain.acc) and type(brain.wer.ids) is list
+        assert brain.same_items is brain.items is brain.by_stage["v"]  # one list again, as in one process
