@@ -8,10 +8,12 @@ field of ``hparams``, one level deep as :mod:`ddp_eval.state._outside` looks
 (``self.hparams.ids``, ``self.hparams.holder.ids``): such a field holds the same
 recording copy for the stage, so what a batch does or reads through it is on the
 container's one record, and gets the container back (with the merged contents) at
-the end. A field a batch bound anew is named, with the value it shared the
-container with. At the end, an attribute of the Brain or a field of ``hparams`` a
-batch bound to a recording copy (``self.current = self.items``) gets the container
-back too: no stand-in outlives the stage.
+the end. A field a batch bound anew is noted, and named with every place that
+held the container if batches changed or read it
+(:func:`ddp_eval.state.bookkeeping._name_places_bound_apart`). At the end, an
+attribute of the Brain or a field of ``hparams`` a batch bound to a recording copy
+(``self.current = self.items``) gets the container back too: no stand-in outlives
+the stage.
 
 Example
 -------

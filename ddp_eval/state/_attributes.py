@@ -163,16 +163,14 @@ class Slot:
         # another place (an attribute, an entry) already holds this container: its recording copy, one record
         self.shared_from = self.notes.copies.get(id(self.start)) if _recording.recordable(
             self.start) and _recording.SHARE_COPIES else None
-        # a container held at stage start: a recording copy stands in for it until restore()
-        self.original, self.recorded = self.start, None if self.shared_from else recording_copy(self.start,
-                                                                                                 self.notes)
         if self.shared_from is not None:
-            self.original, self.start = None, self.shared_from[1]
+            self.original, self.recorded, self.start = None, None, self.shared_from[1]
             self.notes.shared.setdefault(id(self.start), []).append(label)
             set_value(owner, name, self.start)
-        elif self.recorded is None:
-            self.original = None
-        else:
+        elif (recorded := recording_copy(self.start, self.notes)) is None:
+            self.original = self.recorded = None
+        else:  # a container held at stage start: a recording copy stands in for it until restore()
+            self.original, self.recorded = self.start, recorded
             self.notes.copies[id(self.original)] = (self.original, self.recorded, label)
             self.original_mark = None if isinstance(self.recorded, RecordingIterator) else Fingerprint.of(
                 self.original, depth=1)  # changed through another reference?
@@ -200,8 +198,8 @@ class Slot:
 
     def check_shared(self) -> None:
         """At stage end: if it held a container other places held too, and a batch bound
-        another value to it, the places are noted (named at the merge if any rank
-        changed the container in place: :func:`ddp_eval.state.bookkeeping.name_values_read_from_partial_state`)."""
+        another value to it, the places are noted (named at the merge if any rank changed
+        the container in place or read it whole: :func:`ddp_eval.state.bookkeeping._name_places_bound_apart`)."""
         if self.shared_from is not None and get_value(self.owner, self.name) is not self.shared_from[1]:
             self.notes.rebound(self.shared_from[1], self.shared_from[2])
         elif self._shared() and get_value(self.owner, self.name) is not self.recorded:

@@ -100,8 +100,8 @@ class BatchNotes:
     def rebound(self, copy: Any, primary: str) -> None:
         """A place that held ``copy`` (the recording copy of ``primary``'s container) with
         other places was bound anew by a batch: if any rank changed the container in
-        place, every place that held it is named at the merge (in one process, what
-        later batches did through the rebound place went elsewhere)."""
+        place or read it whole, every place that held it is named at the merge (in one
+        process, what later batches did through the rebound place went elsewhere)."""
         self.rebound_places[primary] = sorted({primary, *self.shared[id(copy)]})
 
     def start(self) -> None:

@@ -130,7 +130,7 @@ def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str,
                     del result.merged[key]
                 result.conflicts.setdefault(label, (
                     f"it held the same container as {[p for p in places if top_label(p) != label]} at stage start, a "
-                    "batch bound another value to one of them, and batches changed the container in place: ddp_eval "
+                    "batch bound another value to one of them, and batches changed or read the container: ddp_eval "
                     "keeps one record per container, whichever place a batch changed it through; bind them apart in "
                     "on_stage_start, or change the container in place only"))
 
