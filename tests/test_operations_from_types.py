@@ -11,6 +11,7 @@ name nothing, at any number of ranks; and the property fails, with a program
 hypothesis finds, when the stage-end checks are switched off.
 """
 
+import collections
 import io
 import pickle
 import types
@@ -306,6 +307,7 @@ class _Holder:
         self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", "hparams"})
         self.items = self.same = [1, 2, 3]
         self.last_ids = ["u0"]
+        self.tally = self.tally_alias = collections.defaultdict(int, a=1)
         self.log, self.n, self.hparams = [{"last_ids": self.last_ids}], 0, types.SimpleNamespace()
 
 
@@ -337,6 +339,16 @@ def test_a_place_bound_anew_names_the_places_of_a_container_read_or_changed_and_
 
     def last_ids(h, b):
         h.last_ids = [f"u{b}"]
+
+    def through_the_rebound_place(h, b):  # a defaultdict's value changed through the place bound anew
+        if b == 0:
+            h.tally_alias = collections.defaultdict(int)
+        if b == 1:
+            h.tally_alias["a"] += 1
+
+    one, brains, named = _simulated(through_the_rebound_place, [[0], [1]])
+    assert any(dict(brain.tally) != dict(one.tally) for brain in brains)
+    assert {"tally", "tally_alias"} <= named, named
 
     one, brains, named = _simulated(last_ids, [[0, 2], [1]])
     assert not named, named

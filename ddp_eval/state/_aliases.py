@@ -100,10 +100,15 @@ class SharedCopies:
 
 def _changed(original: Any, copy: Any) -> bool:
     """Whether the recording ``copy`` holds other contents than the container it stands for
-    (still as at stage start: the merged contents are written into it afterwards)."""
-    if copy.ops:
+    (still as at stage start: the merged contents are written into it afterwards), by
+    value (a ``defaultdict`` as a dict)."""
+    if copy.ops or len(copy) != len(original):
         return True
+    plain = dict if isinstance(original, dict) else type(original)
     try:
-        return bool(type(original)(copy) != original)
-    except Exception:  # entries that compare by element (tensors): by identity
-        return len(copy) != len(original) or any(a is not b for a, b in zip(copy, original))
+        return bool(plain(copy) != plain(original))
+    except Exception:  # entries that do not compare to one bool (tensors): by identity
+        if isinstance(original, dict):
+            return any(key not in original or value is not dict.__getitem__(original, key)
+                       for key, value in dict.items(copy))
+        return any(a is not b for a, b in zip(copy, original))
