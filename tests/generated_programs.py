@@ -156,9 +156,12 @@ def _arguments(kind, b):
     return [(), (v,), (i,), (i, v), (many,), (0, 1)]
 
 
-def _call_method(kind, name, field=None):
+def _call_method(kind, name, field=None, owner="m"):
     def run(brain, b):
-        target = getattr(brain, _attribute(kind)) if field is None else getattr(brain.m, field)
+        holder = _metric(brain, owner) if field is not None else None
+        if holder is _NOT_MADE:  # a per-key object no batch has made yet
+            return
+        target = getattr(brain, _attribute(kind)) if field is None else getattr(holder, field)
         # x *= n with n a value (97 for a bytearray) three times a batch would grow it past any memory
         for args in ([(2,)] if name == "__imul__" else _arguments(kind, b)):
             try:
@@ -277,6 +280,8 @@ def _fixed():
         else None,
         "if not first: first.append": lambda h, b: h.first.append(b) if not h.first else None,
         "if len(first) < 2: first.append": lambda h, b: h.first.append(b) if len(h.first) < 2 else None,
+        "first.append": lambda h, b: h.first.append(b),
+        "first[i] = b": lambda h, b: h.first.__setitem__(b % 3, b),  # i from the start: another entry in one process
         "if x is None: x = []; x.append": lambda h, b: (setattr(h, "made_over_none", []) if h.made_over_none is None
                                                         else None, h.made_over_none.append(b)),
         "stream.write": lambda h, b: h.log.write(f"u{b} {value(b)}\n"),
@@ -523,9 +528,12 @@ def operations():
     for kind in CONTAINERS:
         for name in container_methods(kind):
             ops[f"{kind.__name__}.{name}"] = _call_method(kind, name)
-    for field in ("ids", "scores"):  # a metric object's lists, by the same methods
-        for name in container_methods(list):
-            ops[f"metric.{field}.{name}"] = _call_method(list, name, field)
+    # a metric object's lists, by the same methods: one held at stage start, one a defaultdict makes
+    # during the stage, a MultiMetricStats's per-key object
+    for owner, prefix in (("m", "metric"), ("lazy['c']", "lazy metric"), ("multi['a']", "multi metric['a']")):
+        for field in ("ids", "scores"):
+            for name in container_methods(list):
+                ops[f"{prefix}.{field}.{name}"] = _call_method(list, name, field, owner)
     candidates = {f"Tensor.{name}": _tensor_method(name) for name in tensor_methods()}
     candidates.update({f"numpy.{name}(out=)": _ufunc(name) for name in numpy_ufuncs()})
     for label, op in candidates.items():

@@ -440,6 +440,38 @@ def test_an_entry_batches_appended_read_by_its_index_from_the_start_is_seen(prog
     assert silently_wrong(per_batch, [0] * len(per_batch), 1) is None
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("label, program", [
+    # rank 0's one batch appends then sets first[0]: its own entry; in one process batch 0's
+    ("first", ([["first.append", "first[i] = b"]] * 4, [1, 1, 1, 0], 2)),
+    ("lazy", ([["lazy metric.scores.append", "lazy metric.scores.__setitem__"]] * 4, [1, 1, 1, 0], 2)),
+    ("multi", ([["multi metric.append", "multi metric['a'].ids.__setitem__"]] * 4, [1, 1, 1, 0], 2)),
+], ids=["attribute", "metric object a defaultdict made", "MultiMetricStats's per-key object"])
+def test_an_entry_batches_appended_set_by_its_position_from_the_start_is_named(label, program):
+    """``items[i] = x`` with ``i`` counted from the start past the stage-start entries
+    sets, on a rank, one of its own batches' entries, in one process another batch's:
+    named, even when the batch appended that entry itself (its record holds the new value)."""
+    assert label in run_program(*program)[2]
+    assert silently_wrong(*program) is None
+    assert silently_wrong(program[0], [0] * 4, 1) is None
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_read_of_which_keys_a_multi_metric_stats_holds_is_seen(world_size):
+    """``multi.metrics['a']`` read by the recipe's code where this rank has not made it yet
+    (batch 3 made it on rank 0, batch 4 on rank 1 finds it absent and appends nothing; one
+    process appends): named. SpeechBrain's own ``if key not in self.metrics`` in ``append``,
+    followed by making the key, is not a read: appends alone stay exact and unnamed."""
+    program = ([[], [], [], ["multi metric.append"], ["multi metric['a'].scores.__iadd__"]], [0, 0, 0, 0, 1],
+               world_size)
+    assert "multi" in run_program(*program)[2]
+    assert silently_wrong(*program) is None
+    appends = ([["multi metric.append"]] * 5, [0, 1, 0, 1, world_size - 1], world_size)
+    single, brains, named = run_program(*appends)
+    assert named == set() and silently_wrong(*appends) is None
+
+
 def _one_key_read(read, setter, at, gap, world_size):
     """Batch ``at`` (rank 0) adds a key or element that batch ``at + gap`` (rank 1, the
     last) reads (see generated_programs._call_with_key); ranks from 2 on get no batch."""

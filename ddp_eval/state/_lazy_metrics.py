@@ -31,6 +31,7 @@ from ddp_eval.state._recording import announcing_copy, is_recording, listening_c
 from ddp_eval.state._values import ABSENT
 from ddp_eval.state.metrics import METRIC_TYPES, MetricRecorder, all_flat, field_targets
 
+_MAKES_KEYS = frozenset({MultiMetricStats.append.__code__})  # its `if key not in self.metrics` makes the key
 LISTEN_TO_LISTS_MADE_ELSEWHERE = True  # recording copies in objects no factory made (tests switch it off)
 
 
@@ -78,7 +79,8 @@ class LazyMetricFields:
         for path, obj in all_flat(objects) if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
             if isinstance(obj, MultiMetricStats) and type(vars(obj).get("metrics")) is dict:
                 obj.metrics = announcing_copy(obj.metrics, lambda key, made, path=path: self.listen(
-                    f"{path}.metrics[{key}]", made) if isinstance(made, METRIC_TYPES) else None)
+                    f"{path}.metrics[{key}]", made) if isinstance(made, METRIC_TYPES) else None,
+                    path.split("[")[0].split(".")[0], self.attributes.notes, _MAKES_KEYS)
                 self.announcing.append(obj)
 
     def listen(self, path: str, obj: Any) -> None:

@@ -36,6 +36,7 @@ Example
 import collections
 import collections.abc
 import io
+import sys
 import types
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
@@ -283,6 +284,28 @@ def _reading(kind: type, name: str):
     return read
 
 
+def _setting_by_position(noted):
+    """``list.__setitem__`` (``noted``) that notes, as an operation the merge cannot
+    replay, a write by position from the start at or past the stage-start entries
+    (``items[5] = x``, ``items[n:] = [...]``): in one process that position holds
+    another batch's entry. ``items[-1] = x`` is checked by value at stage end."""
+    def setitem(self, index, entry):
+        if self._depth == 0 and "__setitem__" not in self.ops and _past_start(self, index):
+            self.ops.append("__setitem__")
+        return noted(self, index, entry)
+    setitem.__name__ = "__setitem__"
+    return setitem
+
+
+def _past_start(recorded: Any, index: Any) -> bool:
+    """Whether ``recorded[index] = x`` may write at or past ``recorded.start_length``, counting from the start."""
+    if type(index) is int:
+        return index >= recorded.start_length
+    if type(index) is slice:
+        return max(index.indices(len(recorded))[:2]) >= recorded.start_length
+    return True
+
+
 def _note_entry(recorded: Any, key: Any, entry: Any) -> None:
     """A dict's ``d[k]``: the value of an entry (a number, a string; not a probe, which
     replays its reads, nor a container, whose key is its path) is noted as read, as
@@ -347,6 +370,7 @@ def _recording_class(kind: type) -> type:
                                                                                    "__getitem__", "__missing__")}
     namespace.update({name: _noting(kind, name) for name in changing})
     if _builtin(kind) is list:
+        namespace["__setitem__"] = _setting_by_position(namespace["__setitem__"])
         namespace["__getitem__"] = _entry_reading(kind, IndexError, _note_index)
     if _builtin(kind) is dict:
         namespace["__getitem__"] = _entry_reading(kind, KeyError, _note_entry)
@@ -446,20 +470,46 @@ def listening_copy(value: list, label: str, notes: BatchNotes = QUIET) -> Any:
     return copy
 
 
-def announcing_copy(value: dict, on_set: Callable[[Any, Any], None]) -> Any:
+def announcing_copy(value: dict, on_set: Callable[[Any, Any], None], label: str = "",
+                    notes: BatchNotes = QUIET, own_reads: FrozenSet[Any] = frozenset()) -> Any:
     """A copy of a plain dict that calls ``on_set(key, entry)`` after each ``d[k] = entry``
     (a MultiMetricStats's ``metrics``: a per-key object it makes gets recording copies
-    in the batch that makes it); it notes nothing, and passes as the plain dict
-    (``copy.copy``, pickle, yaml). ``dict(copy)`` is the plain dict back."""
+    in the batch that makes it). Its keys are its state: a batch's read of them (``k in
+    d``, ``d[k]``, ``len``, iteration) is noted into ``notes`` as a read of ``label``
+    whole, but ``k in d`` from code in ``own_reads`` (SpeechBrain's own ``if key not in
+    self.metrics`` before it makes the key). It passes as the plain dict (``copy.copy``,
+    pickle, yaml); ``dict(copy)`` is the plain dict back."""
     copy = _Announcing(value)
-    copy.on_set, copy.ops, copy.handed, copy.built = on_set, [], {}, []
+    copy.on_set, copy.own_reads, copy.label, copy._notes = on_set, own_reads, label, notes
+    copy.ops, copy.handed, copy.built = [], {}, []
     return copy
 
 
-class _Announcing(_CLASSES[dict]):
+class _Announcing(_CLASSES[dict]._listening):
     def __setitem__(self, key, entry):
         dict.__setitem__(self, key, entry)
         self.on_set(key, entry)
+
+    def __contains__(self, key):
+        present = dict.__contains__(self, key)
+        if not present and sys._getframe(1).f_code not in self.own_reads:
+            self._absent()
+        return present
+
+    def __getitem__(self, key):
+        if not dict.__contains__(self, key):
+            self._absent()
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        if not dict.__contains__(self, key):
+            self._absent()
+        return dict.get(self, key, default)
+
+    def _absent(self):
+        """A key this rank lacks was looked up: in one process another rank's batch may
+        have made it. Noted as a read of the keys, whole (as ``len``)."""
+        _CLASSES[dict]._listening.__len__(self)
 
 
 def _fill(target: Any, source: Any, kind: type) -> None:
@@ -489,6 +539,10 @@ def steered(kind: type, method: str) -> str:
             "the read out of the batch code")
 
 
+_CALLED = {"__setitem__": "items[i] = x with i counted from the start past the stage-start entries (in one "
+                           "process that position holds another batch's entry)"}
+
+
 def unmergeable_operations(recorded: Any) -> Optional[str]:
     """Why the operations noted on ``recorded`` cannot be merged, and what to do; None if none were noted."""
     if isinstance(recorded, RecordingIterator):
@@ -504,7 +558,7 @@ def unmergeable_operations(recorded: Any) -> Optional[str]:
     if not recorded.ops:
         return None
     kind = _builtin(recorded._kind)
-    called = ", ".join(f"{name}()" for name in dict.fromkeys(recorded.ops))
+    called = ", ".join(_CALLED.get(name, f"{name}()") for name in dict.fromkeys(recorded.ops))
     return (f"a batch called {called} on this {recorded._kind.__name__}, which ddp_eval cannot replay in one "
             f"process's order (on one rank it may change nothing, with every rank's entries it would): "
             f"{REMEDY[kind]}")
