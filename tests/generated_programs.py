@@ -24,6 +24,7 @@ rejects (``TypeError``) tries the next shape; a call that fails on the value
 import collections
 import dataclasses
 import io
+import random
 import types
 import warnings
 
@@ -124,6 +125,7 @@ class Brain:
         self.tally, self.ns = Tally(), types.SimpleNamespace(n=0, t=0.0)
         self.lazy = collections.defaultdict(LazyStats)
         self.it, self.last_item = iter(range(1000)), None
+        self.rng = random.Random(0)
         self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
         self.log, self.blob_log = io.StringIO(), io.BytesIO()
         self.m, self.hardest, self.newest = MetricStats(metric=_scores), KeepsHardest(), NewestFirst()
@@ -263,6 +265,10 @@ def _fixed():
         "namespace float +=": lambda h, b: setattr(h.ns, "t", h.ns.t + value(b)),
         "lazy metric object": lambda h, b: h.lazy[f"c{b % 2}"].add(value(b)),
         "iterator consumed": lambda h, b: setattr(h, "last_item", next(h.it)),
+        # a value added to a number from another watched value, an iterator, a random generator
+        "n += tally.correct": lambda h, b: setattr(h, "n", h.n + h.tally.correct),
+        "n += next(it)": lambda h, b: setattr(h, "n", h.n + next(h.it)),
+        "x += rng.random()": lambda h, b: setattr(h, "x", h.x + h.rng.random()),
         "len(accumulated)": lambda h, b: setattr(h, "derived", len(h.c_list)),
         # reads of accumulated state that steer what is added (issue 37)
         "if len(list) < k: append": lambda h, b: h.c_list.append(b) if len(h.c_list) < 5 else None,

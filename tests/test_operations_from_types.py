@@ -472,6 +472,44 @@ def test_a_read_of_which_keys_a_multi_metric_stats_holds_is_seen(world_size):
     assert named == set() and silently_wrong(*appends) is None
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("label, program", [
+    # n += self.tally.correct, which batches also change: the operand is what a rank's batches made of it
+    ("n", ([["dataclass field +=", "n += tally.correct"]] * 4, [0, 1, 0, 1], 2)),
+    ("n", ([["n += next(it)"]] * 4, [1, 1, 0, 0], 2)),  # the next item: after the rank's own batches only
+    ("x", ([["x += rng.random()"]] * 4, [0, 1, 0, 1], 2)),  # a draw: from the rank's own generator state
+], ids=["another watched number", "an iterator", "a random generator"])
+def test_a_number_added_to_from_a_value_batches_change_is_named(label, program):
+    """``n += v`` replays its operands in global batch order; an operand read from a value
+    batches change (another watched number, an iterator, a random generator) is what
+    the rank's own batches made of it, another number in one process: named (before,
+    the iterator and the generator were named but the number merged silently wrong)."""
+    assert label in run_program(*program)[2]
+    assert silently_wrong(*program) is None
+    constant = ([["n += tally.correct"]] * 4, [0, 1, 0, 1], 2)  # no batch changes tally: exact, nothing named
+    assert run_program(*constant)[2] == set() and silently_wrong(*constant) is None
+
+
+@pytest.mark.fast
+def test_a_random_generator_no_batch_touches_is_not_named_and_one_a_batch_draws_from_is():
+    """A ``torch.Generator`` pickles a new state tensor each time: compared by its state's
+    bytes, one no batch touches is not named (before, it was, at every stage)."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), x=0.0,
+                                     gen=torch.Generator().manual_seed(0), np_gen=np.random.default_rng(0))
+
+    def untouched(h, b):
+        h.x += 0.5
+
+    def draws(h, b):
+        h.x += float(torch.rand(1, generator=h.gen))
+
+    _, records, merged = simulate([[0, 2], [1]], make, untouched, DDPEvalConfig())
+    assert all(record.report["unmergeable"] == {} for record in records) and not merged.attributes.assumed
+    _, records, merged = simulate([[0, 2], [1]], make, draws, DDPEvalConfig())
+    assert "gen" in records[0].report["unmergeable"] and "x" in merged.attributes.assumed
+
+
 def _one_key_read(read, setter, at, gap, world_size):
     """Batch ``at`` (rank 0) adds a key or element that batch ``at + gap`` (rank 1, the
     last) reads (see generated_programs._call_with_key); ranks from 2 on get no batch."""

@@ -282,8 +282,8 @@ class Slot:
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
             self.notes.reads.add(top_label(self.label))  # its value went into something else
             self.notes.whole.add(top_label(self.label))
-        if what == "set" and self.start is not ABSENT:
-            self.notes.sets.add(top_label(self.label))
+        if (what == "set" and self.start is not ABSENT) or (what == "ops" and self.probe._mixed):
+            self.notes.sets.add(top_label(self.label))  # n += self.m: named if m changed during the stage
         self.probe = None
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
@@ -698,8 +698,8 @@ class AttributeTracker:
         """``{label: why}`` of the values named so far; one a batch compared before it
         was named is a read that steered (:attr:`whole_reads`): its replay is unchecked."""
         named = {label: slot.why for label, slot in sorted(self.tracks.items()) if slot.why is not None}
-        self.whole_reads.update(top_label(label) for label in named if getattr(self.tracks.get(label), "compared",
-                                                                                 False))
+        self.whole_reads.update(top_label(label) for label in named if getattr(self.tracks[label], "compared", False)
+                                or getattr(getattr(self.tracks[label], "watch", None), "read_unseen", False))
         return named
 
     def piece(self, positions: Sequence[int]) -> Dict[str, Change]:

@@ -118,6 +118,8 @@ class _Digester(pickle.Pickler):
             return ("tensor", id(obj), obj._version)
         if isinstance(obj, torch.nn.Module):
             return ("module", id(obj))
+        if isinstance(obj, torch.Generator):  # it pickles a new state tensor each time: its state's bytes
+            return ("generator", bytes(obj.get_state().numpy()))
         return None
 
 

@@ -56,6 +56,7 @@ class _Probe:
     _compared: Tuple = ()  # on the origin: a list of (name, operand, result), a comparison each (compared_alike)
     _derived = False  # on the origin: a value was computed from it by + or -
     _read = False  # on the origin: its value went into another one by more than a comparison
+    _mixed = False  # on the origin: another probe's value was added to or subtracted from it
 
     def _derive(self, op: str, operand: Any, result: Any) -> Any:
         origin = self._origin
@@ -71,18 +72,30 @@ class _Probe:
         return result
 
     def __add__(self, other):
+        other = self._plain_operand(other)
         if isinstance(self, (str, bytes)):  # s += line: concatenation, replayed in global batch order
             return self._derive(Op.CONCAT, other, _value(self) + other)
         return self._derive(Op.ADD, other, _value(self) + other)
 
     def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
+        other = self._plain_operand(other)
         if isinstance(self, (str, bytes)):  # prefix + s: not replayed
             self._origin._used = True
             return other + _value(self)
         return self._derive(Op.ADD, other, other + _value(self))
 
     def __sub__(self, other):
+        other = self._plain_operand(other)
         return self._derive(Op.SUBTRACT, other, _value(self) - other)
+
+    def _plain_operand(self, other: Any) -> Any:
+        """``other``'s plain value; if it is a probe too (another watched number, ``n +=
+        self.m``), its value went into this one, which is then replayed with an operand
+        a rank computed from its own batches: both are noted (``_read``, ``_mixed``)."""
+        if isinstance(other, _Probe):
+            other._origin._read = self._origin._mixed = True
+            return _value(other)
+        return other
 
     def __reduce__(self):  # pickles, copies and saves as the plain number (a read of its value)
         self._origin._used = self._origin._read = True

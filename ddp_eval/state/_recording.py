@@ -408,7 +408,7 @@ class RecordingIterator:
     reads what earlier batches left of it: it is named)."""
 
     __slots__ = ("_notes", "__dict__")  # the stage's notes out of its __dict__, which ddp_eval's watch reads
-    _read = _whole = False  # a batch that consumes it is named (its own record)
+    _read = _whole = False  # a batch that consumes it is named (its own record), and what it steered
     label = ""
 
     def __init__(self, inner: Any, notes: BatchNotes) -> None:
@@ -419,8 +419,8 @@ class RecordingIterator:
 
     def __next__(self) -> Any:
         self.consumed = True
-        if self._notes.listening and not self._read:
-            self._read = True
+        if self._notes.listening and not self._read:  # what it gives is what earlier batches left: a read whole
+            self._read = self._whole = True
             self._notes.read.append(self)
         return next(self.inner)
 

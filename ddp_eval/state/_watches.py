@@ -75,6 +75,7 @@ class Watch:
     """No in-place changes seen (numbers, strings, tuples, other objects)."""
 
     compared = False  # an entry a batch compared (a dict's or list's): its record is merged even if unchanged
+    read_unseen = False  # changed in place by calls ddp_eval cannot see, which may also have read it
 
     def __init__(self, slot: Any, obj: Any, created_at: Optional[int] = None) -> None:
         self.slot, self.obj = slot, obj
@@ -112,6 +113,7 @@ class Watch:
                            "batch order) and write them in on_stage_end, or write a file opened as "
                            "open(self.stage_output(path), 'a')")
         elif unexplained(self.marker, self.obj):
+            self.read_unseen = True  # a random generator: what batches drew from it went elsewhere unseen
             self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place, which ddp_eval does "
                            "not record (it merges lists that grow, dicts, numbers, tensors and NumPy arrays); "
                            "keep the state in one of those, or compute it in on_stage_end")
