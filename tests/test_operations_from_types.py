@@ -12,9 +12,11 @@ hypothesis finds, when the stage-end checks are switched off.
 """
 
 import collections
+import hashlib
 import io
 import pickle
 import types
+import zlib
 
 import numpy as np
 import pytest
@@ -508,6 +510,30 @@ def test_a_random_generator_no_batch_touches_is_not_named_and_one_a_batch_draws_
     assert all(record.report["unmergeable"] == {} for record in records) and not merged.attributes.assumed
     _, records, merged = simulate([[0, 2], [1]], make, draws, DDPEvalConfig())
     assert "gen" in records[0].report["unmergeable"] and "x" in merged.attributes.assumed
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("make_unread", [hashlib.sha256, zlib.compressobj], ids=["hash", "compressor"])
+def test_an_object_ddp_eval_cannot_read_is_named_with_what_batches_computed_from_it(make_unread):
+    """An object that cannot be pickled and keeps its state in C (a running hash, a
+    compressor): whether batches changed or read it is unknown, so it is named, and so
+    is what they computed from it (a digest appended per batch: each rank's own);
+    listed in ``attributes_exclude`` it is the recipe's business."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), unread=make_unread(),
+                                     out=[])
+
+    def batch(h, b):
+        if hasattr(h.unread, "hexdigest"):
+            h.unread.update(bytes([b]))
+            h.out.append(h.unread.hexdigest())
+        else:
+            h.out.append(h.unread.compress(bytes([b]) * 10))
+
+    _, records, merged = simulate([[0, 2], [1, 3]], make, batch, DDPEvalConfig())
+    assert "cannot read" in records[0].report["unmergeable"]["unread"] and "out" in merged.attributes.assumed
+    _, records, merged = simulate([[0, 2], [1, 3]], make, batch, DDPEvalConfig(attributes_exclude=["unread"]))
+    assert records[0].report["unmergeable"] == {} and not merged.attributes.assumed
 
 
 def _one_key_read(read, setter, at, gap, world_size):

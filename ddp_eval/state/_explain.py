@@ -86,7 +86,10 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         return ("object", id(value), _unpicklable_digest(value))
     if own is None or type(value).__reduce_ex__ is not object.__reduce_ex__ or (  # state the engine cannot read
             type(value).__reduce__ is not object.__reduce__):  # (random.Random keeps its state in C)
-        return ("object", id(value), opaque_digest(value))
+        digest = opaque_digest(value)
+        if digest is None and type(value).__module__ not in _NO_STATE:  # a hash, a compressor: unread
+            held.append(_UNREAD)
+        return ("object", id(value), digest)
     return ("object", id(value), tuple((k, _leaf(v, held, depth + 1)) for k, v in sorted(own.items(), key=str)
                                        if not callable(v)))
 
@@ -106,6 +109,8 @@ def _flat(entries: list, held: List[Any]) -> Any:
 
 
 _SCALAR_TYPES = {type(None), bool, int, float, complex, str, bytes}
+_UNREAD = object()  # among a fingerprint's held objects: it met an object it could not read
+_NO_STATE = frozenset({"_thread", "threading", "socket", "select", "weakref", "_csv"})  # locks, csv writers
 _SIZED = {list, tuple, dict, set}
 
 
@@ -201,6 +206,11 @@ class Fingerprint:
         """The fingerprint of ``value``, ``depth`` levels deep (below: identity and length)."""
         held: List[Any] = []
         return cls(hash(_leaf(value, held, MAX_DEPTH - depth)), held, MAX_DEPTH - depth)
+
+    def unread(self) -> bool:
+        """Whether the value holds an object that cannot be pickled and keeps its state
+        where ddp_eval cannot read it (``hashlib.sha256()``, ``zlib.compressobj()``)."""
+        return any(x is _UNREAD for x in self.held)
 
     def matches(self, value: Any) -> bool:
         """Whether ``value`` has the fingerprint this one was taken of."""

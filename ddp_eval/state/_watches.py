@@ -112,6 +112,12 @@ class Watch:
                            "merge (each rank holds its own batches' lines); append the lines to a list (merged in "
                            "batch order) and write them in on_stage_end, or write a file opened as "
                            "open(self.stage_output(path), 'a')")
+        elif self.marker is not None and self.marker.unread() and self.marker.matches(self.obj):
+            self.read_unseen = True  # whether a batch changed or read it is unknown: what it may have steered too
+            self.slot.fail(f"a {type(self.obj).__name__} ddp_eval cannot read (it cannot be pickled and keeps its "
+                           "state out of reach), so whether batches changed or read it is unknown, and what they "
+                           "computed from it may be each rank's own; keep it out of the batches (list it in "
+                           "ddp_eval: attributes_exclude if no batch uses it), or keep what batches compute in a list")
         elif unexplained(self.marker, self.obj):
             self.read_unseen = True  # a random generator: what batches drew from it went elsewhere unseen
             self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place, which ddp_eval does "
