@@ -539,8 +539,8 @@ def steered(kind: type, method: str) -> str:
             "the read out of the batch code")
 
 
-_CALLED = {"__setitem__": "items[i] = x with i counted from the start past the stage-start entries (in one "
-                           "process that position holds another batch's entry)"}
+_CALLED = {"__setitem__": "__setitem__() (items[i] = x with i counted from the start, past the stage-start "
+                           "entries: in one process that position holds another batch's entry)"}
 
 
 def unmergeable_operations(recorded: Any) -> Optional[str]:
@@ -558,7 +558,8 @@ def unmergeable_operations(recorded: Any) -> Optional[str]:
     if not recorded.ops:
         return None
     kind = _builtin(recorded._kind)
-    called = ", ".join(_CALLED.get(name, f"{name}()") for name in dict.fromkeys(recorded.ops))
+    called = ", ".join(_CALLED.get(name, f"{name}()") if kind is list else f"{name}()"
+                       for name in dict.fromkeys(recorded.ops))
     return (f"a batch called {called} on this {recorded._kind.__name__}, which ddp_eval cannot replay in one "
             f"process's order (on one rank it may change nothing, with every rank's entries it would): "
             f"{REMEDY[kind]}")
