@@ -493,6 +493,27 @@ def test_a_number_added_to_from_a_value_batches_change_is_named(label, program):
 
 
 @pytest.mark.fast
+def test_a_number_added_to_from_a_constant_keeps_its_merged_value_beside_another_read():
+    """``self.total += self.weight`` (no batch changes ``weight``) is exact; a read whole of
+    a growing list in the same batch names every value as assumed, merged as recorded,
+    but does not leave ``total`` rank-local as if it were set after that read."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), total=0.0,
+                                     weight=0.25, items=[], last=0)
+
+    def batch(h, b):
+        h.items.append(b)
+        h.last = len(h.items)
+        h.total += h.weight
+
+    single = make()
+    for b in range(4):
+        batch(single, b)
+    brains, _, merged = simulate([[0, 2], [1, 3], []], make, batch, DDPEvalConfig())
+    assert [brain.total for brain in brains] == [single.total] * 3 and "total" not in merged.attributes.conflicts
+
+
+@pytest.mark.fast
 def test_a_random_generator_no_batch_touches_is_not_named_and_one_a_batch_draws_from_is():
     """A ``torch.Generator`` pickles a new state tensor each time: compared by its state's
     bytes, one no batch touches is not named (before, it was, at every stage)."""

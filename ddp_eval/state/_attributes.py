@@ -227,13 +227,13 @@ class Slot:
     def before_batch(self) -> None:
         """Puts a probe in place of a number (or lets dict entries do so)."""
         if self.why is not None:  # named: its probe only tells whether the batch read it
-            self.probe = probe(self.obj) if type(self.obj) in PROBED_TYPES else None
+            self.probe = probe(self.obj, self.label) if type(self.obj) in PROBED_TYPES else None
             self.rebuilt_probe = None if self.probe is not None or self._shared() else make_probe(self.obj, self.notes)
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
         if type(self.obj) in PROBED_TYPES and self.hot:
-            self.probe = probe(self.obj)
+            self.probe = probe(self.obj, self.label)
             set_value(self.owner, self.name, self.probe)
         else:
             if not self._shared() and (type(self.obj) in _PROBED_CONTAINERS or (
@@ -282,8 +282,13 @@ class Slot:
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
             self.notes.reads.add(top_label(self.label))  # its value went into something else
             self.notes.whole.add(top_label(self.label))
-        if (what == "set" and self.start is not ABSENT) or (what == "ops" and self.probe._mixed):
-            self.notes.sets.add(top_label(self.label))  # n += self.m: named if m changed during the stage
+        if what == "set" and self.start is not ABSENT:
+            self.notes.sets.add(top_label(self.label))
+        if what == "ops" and self.probe._operands:  # n += self.m: named if m changed during the stage
+            if "" in self.probe._operands:  # an operand of no known place: as if set after every read
+                self.notes.sets.add(top_label(self.label))
+            self.notes.operands.setdefault(top_label(self.label), set()).update(
+                top_label(operand) for operand in self.probe._operands if operand)
         self.probe = None
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
@@ -674,6 +679,9 @@ class AttributeTracker:
         for label in self.notes.sets:
             if reads - {label}:
                 self.read_then_set.setdefault(label, set()).update(reads - {label})
+        for label, operands in self.notes.operands.items():  # added from them, not set after every read
+            if operands - {label}:
+                self.read_then_set.setdefault(label, set()).update(operands - {label})
         self.whole_reads |= self.notes.whole
         self.absent_reads |= self.notes.absent
         self._added = []

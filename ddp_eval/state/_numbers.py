@@ -56,7 +56,8 @@ class _Probe:
     _compared: Tuple = ()  # on the origin: a list of (name, operand, result), a comparison each (compared_alike)
     _derived = False  # on the origin: a value was computed from it by + or -
     _read = False  # on the origin: its value went into another one by more than a comparison
-    _mixed = False  # on the origin: another probe's value was added to or subtracted from it
+    _operands: Tuple = ()  # on the origin: labels of other probes whose values were added to or subtracted from it
+    _label = ""  # the watched value a root probe stands in for ("": made elsewhere, a factory's)
 
     def _derive(self, op: str, operand: Any, result: Any) -> Any:
         origin = self._origin
@@ -91,9 +92,10 @@ class _Probe:
     def _plain_operand(self, other: Any) -> Any:
         """``other``'s plain value; if it is a probe too (another watched number, ``n +=
         self.m``), its value went into this one, which is then replayed with an operand
-        a rank computed from its own batches: both are noted (``_read``, ``_mixed``)."""
+        a rank computed from its own batches: both are noted (``_read``, ``_operands``)."""
         if isinstance(other, _Probe):
-            other._origin._read = self._origin._mixed = True
+            other._origin._read = True
+            self._origin._operands += (other._origin._label,)
             return _value(other)
         return other
 
@@ -208,10 +210,12 @@ def _value(probe: Any) -> Any:
     return _PLAIN[_base(probe)](probe)
 
 
-def probe(value: Any) -> Any:
-    """A probe equal to ``value`` (an ``int`` or ``float``, not a subclass)."""
+def probe(value: Any, label: str = "") -> Any:
+    """A probe equal to ``value`` (an ``int`` or ``float``, not a subclass), standing in for ``label``."""
     root = _CLASSES[type(value)](value)
     root._origin = root
+    if label:
+        root._label = label
     return root
 
 

@@ -79,11 +79,12 @@ class BatchNotes:
     the batch read (each once), and read by index; ``created``: the copies made
     for it; by top-level label, ``reads`` (values that went into another),
     ``whole`` (reads whose answer may steer the batch: ``len(items)``,
-    ``t.sum()``) and ``sets`` (values the batch set) (see
+    ``t.sum()``), ``sets`` (values the batch set) and ``operands`` (numbers it added
+    other watched numbers to, ``n += self.m``) (see
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
-    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "absent", "copies",
-                 "shared", "rebound_places")
+    __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "operands", "absent",
+                 "copies", "shared", "rebound_places")
 
     def __init__(self) -> None:
         self.listening = False
@@ -93,6 +94,7 @@ class BatchNotes:
         self.reads: set = set()
         self.whole: set = set()
         self.sets: set = set()
+        self.operands: dict = {}  # label of a number -> labels of watched numbers added to it (n += self.m)
         self.absent: set = set()  # dicts, sets and lists a batch found a key or index absent in
         self.copies: dict = {}  # id(container held at stage start) -> (container, its recording copy, label)
         self.shared: dict = {}  # id(recording copy) -> labels of the other places holding it (no probe stands in)
@@ -111,7 +113,7 @@ class BatchNotes:
             recorded._read = recorded._whole = False
         for recorded in self.indexed:
             recorded._indexed = recorded.absent = False
-        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets, self.absent):
+        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets, self.operands, self.absent):
             noted.clear()
         self.listening = ENABLED
 
