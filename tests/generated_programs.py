@@ -314,6 +314,7 @@ def _fixed():
         "lazy metric.append": lambda h, b: h.made_newest["c"].ids.append(f"u{b}"),
         "metric trimmed": lambda h, b: (setattr(h.m, "ids", h.m.ids[-2:]), setattr(h.m, "scores", h.m.scores[-2:])),
         "multi metric.append": lambda h, b: h.multi.append([f"u{b}"], [value(b)]),
+        "multi metric.metrics.pop('a')": lambda h, b: h.multi.metrics.pop("a"),
         "own metric.append": lambda h, b: (h.own if "x" in h.own else h.own.setdefault("x", MetricStats(
             metric=_scores)))["x"].append([f"u{b}"], [value(b)]),
         "if len(metric.ids) < k: append": lambda h, b: h.m.append([f"u{b}"], [value(b)]) if len(h.m.ids) < 2

@@ -514,6 +514,17 @@ def test_a_number_added_to_from_a_constant_keeps_its_merged_value_beside_another
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("owners", [[0, 1, 0, 1], [1, 0, 0, 0], [0, 0, 1, 1]])
+def test_a_per_key_object_a_batch_removes_from_a_multi_metric_stats_is_named(owners):
+    """``multi.metrics.pop("a")`` in a batch, later batches making it again: named (before,
+    the stage end crashed on a removed object, or merged its entries silently wrong)."""
+    program = ([["multi metric.append"], ["multi metric.append", "multi metric.metrics.pop('a')"],
+                ["multi metric.append"], ["multi metric.append"]], owners, 3)
+    assert "multi" in run_program(*program)[2]
+    assert silently_wrong(*program) is None
+
+
+@pytest.mark.fast
 def test_a_random_generator_no_batch_touches_is_not_named_and_one_a_batch_draws_from_is():
     """A ``torch.Generator`` pickles a new state tensor each time: compared by its state's
     bytes, one no batch touches is not named (before, it was, at every stage)."""

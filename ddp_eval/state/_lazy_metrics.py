@@ -27,7 +27,7 @@ from speechbrain.utils.metric_stats import MultiMetricStats
 
 from ddp_eval.state._attributes import AttributeTracker, Slot
 from ddp_eval.state._probes import Factory
-from ddp_eval.state._recording import announcing_copy, is_recording, listening_copy
+from ddp_eval.state._recording import announcing_copy, is_recording, listening_copy, unmergeable_operations
 from ddp_eval.state._values import ABSENT
 from ddp_eval.state.metrics import METRIC_TYPES, MetricRecorder, all_flat, field_targets
 
@@ -126,6 +126,17 @@ class LazyMetricFields:
             "a batch bound a new list to this field of a metric object made during the stage (a sort, a cut: "
             "self.ids = sorted(...)[:k]), which ddp_eval cannot replay in one process's order: append to its "
             "lists, and sort or cut them in on_stage_end") for obj, name in self._rebound()}
+
+    def changed_keys(self, objects: Mapping[str, Any]) -> Dict[str, str]:
+        """``{path.metrics: why}`` of the ``MultiMetricStats`` whose per-key objects a batch
+        removed or replaced (``del multi.metrics["wer"]``): their entries cannot be merged."""
+        paths = {id(obj): path for path, obj in all_flat(objects)}
+        found = {}
+        for obj in self.announcing:
+            why = unmergeable_operations(vars(obj).get("metrics")) if is_recording(vars(obj).get("metrics")) else None
+            if why is not None:
+                found[f"{paths.get(id(obj), type(obj).__name__)}.metrics"] = why
+        return found
 
     def _rebound(self):
         yield from ((obj, name) for factory in self.factories.values() for obj, name in factory.rebound())

@@ -488,7 +488,11 @@ def announcing_copy(value: dict, on_set: Callable[[Any, Any], None], label: str 
 
 
 class _Announcing(_CLASSES[dict]._listening):
+    _grows = frozenset()  # a per-key object removed or replaced (pop, del, update) is noted: not merged
+
     def __setitem__(self, key, entry):
+        if dict.__contains__(self, key) and dict.__getitem__(self, key) is not entry and "__setitem__" not in self.ops:
+            self.ops.append("__setitem__")  # another object in place of a per-key object
         dict.__setitem__(self, key, entry)
         self.on_set(key, entry)
 

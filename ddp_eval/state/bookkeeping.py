@@ -315,7 +315,7 @@ class StageBook:
         run's batches did (:func:`with_journal_notes`)."""
         self.shared.note_rebound()
         unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
-                       **self.lazy.rebound(self.metrics.objects)}
+                       **self.lazy.rebound(self.metrics.objects), **self.lazy.changed_keys(self.metrics.objects)}
         return {"unmergeable": unmergeable,
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads),

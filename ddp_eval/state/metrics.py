@@ -373,13 +373,17 @@ class MetricRecorder:
         does not explain (checked at stage end, before anything is merged)."""
         found = {}
         flat = dict(all_flat(self.objects))
+        for path in itertools.chain(self.start, self.first_seen):
+            if path not in flat:
+                found[path] = ("a batch took this metric object out of where ddp_eval found it (a del, a pop), so "
+                               "its entries cannot be merged: remove metric objects in on_stage_start or on_stage_end")
         for (path, name), kept in self.kept.items():
             value = _field(flat.get(path), name)
             if isinstance(value, list) and unexplained(kept, value[: self.start[path].get(name, 0)]):
                 found[f"{path}.{name}"] = ("entries it held at stage start were changed in place; a metric "
                                            "object's list fields are merged as lists that grow")
-        for path in self.first_seen:  # lists of objects a defaultdict made: their recording copies
-            for name, value in vars(flat.get(path, object())).items():
+        for path in (path for path in self.first_seen if path in flat):  # lists of objects made: recording copies
+            for name, value in vars(flat[path]).items():
                 why = unmergeable_operations(value) if is_recording(value) else None
                 if why is not None:
                     found[f"{path}.{name}"] = why
