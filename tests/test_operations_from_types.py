@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
+from speechbrain.utils.metric_stats import MetricStats
 
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.errors import DDPEvalError
@@ -522,6 +523,44 @@ def test_a_per_key_object_a_batch_removes_from_a_multi_metric_stats_is_named(own
                 ["multi metric.append"], ["multi metric.append"]], owners, 3)
     assert "multi" in run_program(*program)[2]
     assert silently_wrong(*program) is None
+
+
+class _Scores(MetricStats):
+    """A recipe's metric object that a rank with no batch can make too (no arguments)."""
+
+    def __init__(self):
+        super().__init__(metric=grammar._scores)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 2, 4], [1, 3]], [[0, 1], [2, 3, 4], []]], ids=["2 ranks", "3, one idle"])
+def test_the_lists_of_a_metric_object_made_during_the_stage_merge_on_the_attribute_engine(layout):
+    """One engine: the lists of a metric object a ``defaultdict`` makes during the stage,
+    or the recipe's own code makes, are watched and merged as a Brain attribute's are
+    (the metric recorder sends none of them), and equal one process."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
+                                     per_class=collections.defaultdict(lambda: MetricStats(metric=grammar._scores)))
+
+    def batch(h, b):
+        h.per_class[f"c{b % 2}"].append([f"u{b}"], [float(b)])
+        if b == 0 or not hasattr(h, "own"):
+            h.own = _Scores()
+        h.own.append([f"u{b}", f"v{b}"], [float(b), -float(b)])
+
+    single = make()
+    for b in range(5):
+        batch(single, b)
+    brains, records, merged = simulate(layout, make, batch, DDPEvalConfig())
+    assert all(record.report["unmergeable"] == {} for record in records)
+    sent_by_recorder = {(path, name) for record in records for path, state in record.state[0].items()
+                        for name in state["lists"]}
+    assert sent_by_recorder == set()
+    assert {"per_class[c0].ids", "per_class[c1].scores", "own.ids", "own.scores"} <= set(merged.attributes.merged)
+    for brain in brains:
+        assert {k: (m.ids, m.scores) for k, m in brain.per_class.items()} == {
+            k: (m.ids, m.scores) for k, m in single.per_class.items()}
+        assert (brain.own.ids, brain.own.scores) == (single.own.ids, single.own.scores)
 
 
 @pytest.mark.fast

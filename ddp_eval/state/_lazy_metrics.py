@@ -68,9 +68,9 @@ class LazyMetricFields:
             if self.metrics.first_seen.get(path) != batch:
                 continue
             factory = self.factories.get(path.split("[")[0])
-            for label, (sub, name) in field_targets({path: obj}).items():
+            self.listen(path, obj)  # recording copies first: the slots watch them
+            for label, (sub, name) in field_targets({path: obj}, flat_lists=True).items():
                 self.watch(label, sub, name, batch, factory)
-            self.listen(path, obj)
             self.announce({path: obj})
 
     def announce(self, objects: Mapping[str, Any]) -> None:
@@ -101,6 +101,11 @@ class LazyMetricFields:
         slot = self.attributes.tracks[label] = Slot(label, sub, name, self.attributes.budget, start=ABSENT,
                                                        notes=self.attributes.notes)
         value = vars(sub).get(name, ABSENT)
+        if type(value) is list or is_recording(value):  # a flat list: made empty, what it holds is this batch's
+            self.metrics.forget(sub_path, name)
+            slot.recorded = value if is_recording(value) else None  # its sort, insert, steering read: seen
+            slot.adopt(batch, value, [], [])
+            return
         made = factory.field_origin(sub, value) if factory is not None else None
         start = self.metrics.made_as.get(sub_path, {}).get(name, ABSENT)
         if made is None and type(start) is type(value) and start == value:  # as made: no batch changed it yet
@@ -113,7 +118,7 @@ class LazyMetricFields:
     def locate_all(self, objects: Mapping[str, Any]) -> Dict[str, Tuple[Any, str]]:
         """``{label: (object, field)}`` of every metric object's watched fields (after the
         objects this rank lacked were made), for writing merged fields into them."""
-        found = field_targets(objects)
+        found = field_targets(objects, flat_lists=True)
         self.metrics.fields.update({label: where for label, where in found.items() if label not in
                                     self.metrics.fields})
         return found

@@ -7,14 +7,13 @@ one entry per utterance), fields that hold a fixed list of growing lists
 (``MultiMetricStats.metrics``, ``WeightedErrorRateStats.base_stats``, a
 ``DWER``'s ``wer_computer``) are followed.
 
-The fields of a metric object held at stage start, its lists included, are
-watched and merged by the attribute engine (:func:`field_targets`): recording
+The fields of a metric object, its lists included, are watched and merged by
+the attribute engine (:func:`field_targets`; those of one made during the stage
+from the batch that made it, :mod:`ddp_eval.state._lazy_metrics`): recording
 copies see a sort, an insert or a read that steers an append, and the lists are
-checked by value at stage end. What this module records itself is what the
-attribute engine cannot watch from stage start: the lists of metric objects made
-during the stage (their recording copies come from the ``defaultdict``'s
-factory, :class:`ddp_eval.state._probes.Factory`) and the nested lists SpeechBrain
-declares. After every batch a :class:`MetricRecorder` notes which of those grew
+checked by value at stage end. What this module records itself is the nested
+lists SpeechBrain declares (``BLEUStats.targets``, bound over ``None`` to the
+caller's list of lists). After every batch a :class:`MetricRecorder` notes which of those grew
 and to what length (nothing is copied); each rank then sends the entries it
 appended, cut per batch and tagged with the batch's global position, and
 :func:`ddp_eval.state.metric_merge.merge_metric_stats` puts them back in global
@@ -57,7 +56,6 @@ from ddp_eval.errors import ConfigError
 from ddp_eval.state._explain import Fingerprint, unexplained
 from ddp_eval.state._numbers import plain
 from ddp_eval.state._order import growth_since, packed
-from ddp_eval.state._recording import is_recording, unmergeable_operations
 from ddp_eval.state._values import is_number
 from ddp_eval.state.metric_merge import merge_metric_stats  # noqa: F401 - also public here
 
@@ -245,9 +243,8 @@ def field_targets(objects: Mapping[str, Any], flat_lists: bool = False) -> Dict[
     watched and merged as Brain attributes are (one engine: lists, dicts, tensors,
     arrays, sets, strings, numbers, any kind): every field but the nested lists
     SpeechBrain declares, metric objects it holds and callables; flat lists (ids,
-    scores) only with ``flat_lists`` (objects held at stage start: their recording
-    copies see a sort, an insert or a read that steers an append; those of objects
-    made during the stage are cut per batch by :class:`MetricRecorder`)."""
+    scores) only with ``flat_lists`` (their recording copies see a sort, an insert
+    or a read that steers an append; tests switch it off to show what it catches)."""
     targets = {}
     for path, sub in all_flat(objects):
         nested = sb_compat.nested_list_fields(sub)
@@ -350,6 +347,12 @@ class MetricRecorder:
             if grew and path in self.start:  # existed at stage start, for the main-process-only check
                 self.changed_batches[path] = self.changed_batches.get(path, 0) + 1
 
+    def forget(self, path: str, name: str) -> None:
+        """A list field the attribute engine watches from now on (one of an object
+        made during the stage): what this recorder noted of it is dropped."""
+        for notes in (self._last, self._changes, self._appended):
+            notes.pop((path, name), None)
+
     def finish(self, owner: Any, positions: Sequence[int]) -> Dict[str, Dict[str, Any]]:
         """What this rank appended during the stage, cut per batch.
 
@@ -382,11 +385,6 @@ class MetricRecorder:
             if isinstance(value, list) and unexplained(kept, value[: self.start[path].get(name, 0)]):
                 found[f"{path}.{name}"] = ("entries it held at stage start were changed in place; a metric "
                                            "object's list fields are merged as lists that grow")
-        for path in (path for path in self.first_seen if path in flat):  # lists of objects made: recording copies
-            for name, value in vars(flat[path]).items():
-                why = unmergeable_operations(value) if is_recording(value) else None
-                if why is not None:
-                    found[f"{path}.{name}"] = why
         for (path, name), appended in self._appended.items():
             value = _field(flat.get(path), name)
             if f"{path}.{name}" in found:
