@@ -2,7 +2,10 @@
 probe or a recording copy; each behaves as the plain value does under pickle,
 ``copy.copy``/``copy.deepcopy``, ``torch.save`` then ``torch.load(weights_only=True)``,
 ``yaml.safe_dump``, ``yaml.dump`` and ``json.dumps``: the same result, of the plain
-type, or the same exception. After the stage every value is of its own type again.
+type, or the same exception (a ``defaultdict`` the same factory). Metric objects made
+during the stage (by a ``defaultdict``, a ``MultiMetricStats``'s keys) included. After
+the stage every value is of its own type again, and equal to one process's, down to
+the metric function of a per-key object a rank with no batch made.
 Compared with one process running the same batches on plain values."""
 
 import collections
@@ -15,10 +18,16 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from speechbrain.utils.metric_stats import ErrorRateStats
+from speechbrain.utils.metric_stats import ErrorRateStats, MetricStats, MultiMetricStats
 
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.state.bookkeeping import simulate
+
+
+def two_scores(predictions, targets):
+    """A MultiMetricStats's metric: two scores per utterance."""
+    return {"hit": torch.tensor([float(p == t) for p, t in zip(predictions, targets)]),
+            "len": torch.tensor([float(len(p)) for p in predictions])}
 
 
 class Brain:
@@ -31,6 +40,8 @@ class Brain:
         self.per = collections.defaultdict(int, a=1)
         self.acc, self.arr, self.bytes_seen = torch.zeros(3), np.zeros(3), bytearray(b"a")
         self.wer = ErrorRateStats()  # a metric object: its lists are recording copies
+        self.per_method = collections.defaultdict(ErrorRateStats)  # metric objects made during the stage
+        self.multi = MultiMetricStats(metric=two_scores, batch_eval=True)  # per-key objects made during the stage
         self.same_items, self.by_stage = self.items, {"v": self.items}  # other places holding the list
         self.seen = []  # what each batch saw: not watched
 
@@ -57,9 +68,20 @@ WATCHED = [name for name in vars(Brain()) if name not in ("_ddp_brain_attributes
 def _same(a, b):
     if isinstance(a, torch.Tensor) or isinstance(a, np.ndarray):
         return type(a) is type(b) and bool((a == b).all())
-    if isinstance(a, ErrorRateStats):
-        return type(a) is type(b) and all(type(v) is type(vars(b)[k]) and v == vars(b)[k] for k, v in vars(a).items())
+    if isinstance(a, collections.defaultdict):
+        return type(a) is type(b) and a.default_factory is b.default_factory and a.keys() == b.keys() and all(
+            _same(a[k], b[k]) for k in a)
+    if isinstance(a, (MetricStats, MultiMetricStats)):
+        return type(a) is type(b) and vars(a).keys() == vars(b).keys() and all(
+            _same(v, vars(b)[k]) for k, v in vars(a).items())
+    if type(a) is list and a and isinstance(a[0], torch.Tensor):
+        return type(b) is list and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if callable(a) and not isinstance(a, type):  # a metric function: the same one, or one pickled back
+        return type(a) is type(b) and getattr(a, "__qualname__", None) == getattr(b, "__qualname__", None)
     return type(a) is type(b) and a == b
+
 
 
 def _outcomes(brain):
@@ -86,6 +108,8 @@ def batch(brain, b):
     brain.per[f"k{b % 2}"] += 1
     brain.acc += 1
     brain.wer.append([f"u{b}"], [["a", "b"]], [["a", "c"]])
+    brain.per_method[f"m{b % 2}"].append([f"u{b}"], [["a"]], [["b"]])
+    brain.multi.append([f"u{b}"], [f"p{b % 2}"], ["p0"])
     brain.seen.append({"outcomes": _outcomes(brain),
                        "kinds": {name: isinstance(getattr(brain, name), type(getattr(Brain(), name)))
                                  for name in WATCHED}})

@@ -81,6 +81,11 @@ def _same_values(a: Any, b: Any) -> bool:
     return False
 
 
+def _the_factory(original: Any) -> Any:
+    """What a :class:`Factory` pickled during a stage loads as: the factory it stood for."""
+    return original
+
+
 class Factory:
     """Stands in for a ``defaultdict``'s ``default_factory`` during a stage: a
     number it makes is handed out as a probe, and every object it makes is
@@ -118,6 +123,9 @@ class Factory:
                     self.lists.append((handed, name, own[name]))
         self.made[id(handed)] = (handed, root, fields)
         return handed
+
+    def __reduce__(self):  # pickles, copies and dumps as the factory it stands for
+        return _the_factory, (self.original,)
 
     def field_origin(self, obj: Any, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
         """``(initial value, ops since)`` of a number field ``value`` of ``obj``, if

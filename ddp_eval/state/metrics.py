@@ -466,8 +466,11 @@ def fresh_numbers(obj: Any, per_key: bool = False) -> Tuple[Dict[str, Any], bool
 
 
 def made_per_key() -> MetricStats:
-    """A metric object as ``MultiMetricStats.append`` makes one for a new key."""
-    return MetricStats(lambda x: x, batch_eval=True)
+    """A metric object made by ``MultiMetricStats.append`` for a new key (SpeechBrain's
+    own code, so its metric is SpeechBrain's function, as in one process)."""
+    scratch = MultiMetricStats(metric=lambda: {"key": torch.zeros(0)}, batch_eval=True)
+    scratch.append([])
+    return scratch.metrics["key"]
 
 
 def _per_key(path: str, objects: Mapping[str, Any]) -> bool:
