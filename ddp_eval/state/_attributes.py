@@ -227,6 +227,8 @@ class Slot:
     def before_batch(self) -> None:
         """Puts a probe in place of a number (or lets dict entries do so)."""
         if self.why is not None:  # named: its probe only tells whether the batch read it
+            current = get_value(self.owner, self.name)
+            self.obj = self.obj if current is ABSENT else current  # the rank's own: what the last batch left
             self.probe = probe(self.obj, self.label) if type(self.obj) in PROBED_TYPES else None
             self.rebuilt_probe = None if self.probe is not None or self._shared() else make_probe(self.obj, self.notes)
             if self.probe is not None or self.rebuilt_probe is not None:
@@ -293,6 +295,9 @@ class Slot:
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
             return False
+        if what == "derived":  # named below: what the batch left is this rank's value from here on
+            self.obj = plain(value) if is_probe(value) else value
+            set_value(self.owner, self.name, self.obj)
         if what == "derived" and isinstance(value, (str, bytes)):
             self.fail(f"a batch computed a new {type(value).__name__} from the previous one by more than appending "
                       "to it (s += x), so ddp_eval cannot replay it in one process's order; append only, or "
@@ -328,6 +333,7 @@ class Slot:
             return True, value
         writes = in_place_writes(probe)
         if writes:
+            handed_back(probe, self.obj)  # an empty list's probe: what the batch put in it is this rank's
             set_value(self.owner, self.name, value if value is not probe else self.obj)
             remedy = REMEDY[list] if isinstance(self.obj, list) else (
                 "change it with +=, add_() or index_add_() only (x[i] += 1 is one), or compute it in on_stage_end")

@@ -127,6 +127,9 @@ class Factory:
     def __reduce__(self):  # pickles, copies and dumps as the factory it stands for
         return _the_factory, (self.original,)
 
+    def __repr__(self) -> str:  # a defaultdict's repr shows its factory's
+        return repr(self.original)
+
     def field_origin(self, obj: Any, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
         """``(initial value, ops since)`` of a number field ``value`` of ``obj``, if
         this factory made ``obj`` in this batch and probed that field; else None."""

@@ -188,6 +188,9 @@ class TensorProbe(torch.Tensor):
     def __deepcopy__(self, memo):
         return copy.deepcopy(_as_plain(self), memo)
 
+    def __repr__(self, **kwargs):  # a subclass's repr names the class: the plain tensor's
+        return repr(_as_plain(self))
+
 
 def _as_plain(probe: Any) -> torch.Tensor:
     """The plain tensor a probe aliases; pickling or copying it is a read of its value."""
@@ -235,6 +238,9 @@ if numpy is not None:
 
         def __copy__(self):
             return _plain_array(self).copy()
+
+        def __repr__(self):  # a subclass's repr names the class: the plain array's
+            return repr(_plain_array(self))
 
         def __array_finalize__(self, obj):
             # views of the probe (x[0:2]) report uses to the same record, as uses

@@ -191,6 +191,12 @@ class _Recording:
     def __copy__(self):  # a deque's and a defaultdict's own copy() would keep the recording class
         return _rebuild(self._kind, _contents(self), _extra(self))
 
+    def __repr__(self) -> str:  # a deque's, a Counter's, a defaultdict's repr names the class: the plain one
+        return repr(self.__copy__())
+
+    def __str__(self) -> str:  # a bytearray's names it too
+        return str(self.__copy__())
+
 
 def _contents(value: Any) -> Any:
     builtin = _builtin(type(value))
@@ -268,7 +274,7 @@ _ENTRY_READS = frozenset({"__contains__"})
 
 
 def _reading(kind: type, name: str):
-    method = getattr(kind, name)
+    method = getattr(_Recording if name in ("__repr__", "__str__") else kind, name)
     whole = _builtin(kind) is list or name not in _ENTRY_READS
 
     def read(self, *args, **kwargs):
@@ -431,6 +437,9 @@ class RecordingIterator:
 
     def __reduce_ex__(self, protocol: int) -> Any:  # pickles as the iterator it stands for
         return self.inner.__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
 
 
 def recording_copy(value: Any, notes: Optional[BatchNotes] = None) -> Optional[Any]:
