@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 
+from tests.patterns import bleu_stats
+
 CONTAINERS = (list, dict, set, collections.deque, collections.Counter, collections.OrderedDict,
               collections.defaultdict, bytearray)
 _FAILS = (ValueError, KeyError, IndexError, RuntimeError, OverflowError, ZeroDivisionError, AttributeError)
@@ -133,6 +135,8 @@ class Brain:
         self.made_newest = collections.defaultdict(NewestFirst)
         self.multi = MultiMetricStats(metric=_scores_by_key, batch_eval=True)
         self.own = {}  # a metric object the recipe's own code makes in a batch
+        self.bleu = bleu_stats()()  # nested: targets, a list per reference set (bound: reads need no None check)
+        self.bleu.targets = [[]]
         self.t_list, self.nested = [], []  # a list of tensors (per-batch losses), a list of lists
         # other references to watched containers: a second attribute, fields of hparams (one level deep)
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
@@ -314,6 +318,14 @@ def _fixed():
         "lazy metric.append": lambda h, b: h.made_newest["c"].ids.append(f"u{b}"),
         "metric trimmed": lambda h, b: (setattr(h.m, "ids", h.m.ids[-2:]), setattr(h.m, "scores", h.m.scores[-2:])),
         "multi metric.append": lambda h, b: h.multi.append([f"u{b}"], [value(b)]),
+        "bleu metric.append": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[f"r{b}"]]),
+        "if len(bleu metric.targets[0]) < 2: append": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[f"r{b}"]])
+        if len(h.bleu.targets[0]) < 2 else None,
+        "if r not in bleu metric.targets[0]: append": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[
+            f"r{b % 2}"]]) if f"r{b % 2}" not in h.bleu.targets[0] else None,
+        "append(bleu metric.targets[0][-1])": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[
+            h.bleu.targets[0][-1] + "x" if h.bleu.targets[0] else "r"]]),
+        "bleu metric.targets[0].sort()": lambda h, b: h.bleu.targets[0].sort(reverse=True),
         "multi metric.metrics.pop('a')": lambda h, b: h.multi.metrics.pop("a"),
         "own metric.append": lambda h, b: (h.own if "x" in h.own else h.own.setdefault("x", MetricStats(
             metric=_scores)))["x"].append([f"u{b}"], [value(b)]),

@@ -69,7 +69,7 @@ PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules"
             "unmergeable_code", "training_only")
 
 
-def _bleu_stats():
+def bleu_stats():
     """SpeechBrain's BLEUStats. In 1.1 its package imports flair, which the recipes
     using BLEU do not need: the module is loaded from its file."""
     try:
@@ -259,7 +259,7 @@ class PatternBrain(toy.ToyBrain):
         self.wer_metrics = collections.defaultdict(functools.partial(ErrorRateStats))
         self.cer_metrics = collections.defaultdict(functools.partial(ErrorRateStats, split_tokens=True))
         self.per_group = {}
-        self.bleu = _bleu_stats()()
+        self.bleu = bleu_stats()()
         self.dwer = DWERLike()
 
         def accuracy_value(predict, target, lengths):  # a closure, as UrbanSound8k's

@@ -658,3 +658,39 @@ FOUND_BY_HAND = [
                                                          "number method read"])
 def test_programs_found_by_hand_equal_one_process_or_are_named(program):
     assert silently_wrong(*program) is None
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_read_of_bleu_targets_that_steers_is_named_and_its_appends_stay_exact(monkeypatch, world_size):
+    """SpeechBrain's BLEUStats binds ``targets`` over None in a rank's first batch and
+    extends each reference list after: merged exactly. A batch that reads a reference
+    list (``len``, ``in``, ``[-1]``) and then appends is named; with those lists left
+    plain, the same programs are silently wrong."""
+    from ddp_eval.state import _lazy_metrics
+
+    def cleared(program):  # targets None at stage start, as BLEUStats.clear() leaves them; reads after the first
+        per_batch, owners, size = program
+        return [["bleu metric.append"]] + per_batch[1:], [0] + owners[1:], size
+
+    monkeypatch.setattr(grammar.Brain, "__init__", _bleu_cleared(grammar.Brain.__init__))
+    owners = [b % world_size for b in range(2 * world_size)]
+    exact = ([["bleu metric.append"]] * len(owners), owners, world_size)
+    single, brains, named = run_program(*exact)
+    assert named == set() and all(brain.bleu.targets == single.bleu.targets for brain in brains)
+    steering = [cleared(([[read]] * len(owners), owners, world_size)) for read in (
+        "if len(bleu metric.targets[0]) < 2: append", "if r not in bleu metric.targets[0]: append",
+        "append(bleu metric.targets[0][-1])")]
+    for program in steering:
+        _, _, named = run_program(*program)
+        assert "bleu" in named, program
+        assert silently_wrong(*program) is None
+    monkeypatch.setattr(_lazy_metrics, "LISTEN_TO_LISTS_MADE_ELSEWHERE", False)
+    assert all(silently_wrong(*program) is not None for program in steering)
+
+
+def _bleu_cleared(init):
+    def cleared_init(self, start=False):
+        init(self, start)
+        self.bleu.targets = None
+    return cleared_init

@@ -25,6 +25,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 from speechbrain.utils.metric_stats import MultiMetricStats
 
+from ddp_eval import sb_compat
 from ddp_eval.state._attributes import AttributeTracker, Slot
 from ddp_eval.state._probes import Factory
 from ddp_eval.state._recording import announcing_copy, is_recording, listening_copy, unmergeable_operations
@@ -43,8 +44,10 @@ class LazyMetricFields:
         self.factories: Dict[str, Factory] = {}  # attribute -> the factory wrapped for the stage
         self.listened: list = []  # (object, field, copy): lists of objects no factory made, from their next batch
         self.announcing: list = []  # MultiMetricStats whose per-key objects get recording copies as they are made
+        self.nested: list = []  # (outer list, index, copy): the inner lists of SpeechBrain's nested fields
         self.wrap(metrics.objects)
         self.announce(metrics.objects)
+        self.listen_nested(metrics.objects)
 
     def wrap(self, objects: Mapping[str, Any], taken: Mapping[str, Factory] = {}) -> None:
         """Wraps the factory of every ``defaultdict`` holding metric objects (or takes
@@ -92,6 +95,19 @@ class LazyMetricFields:
                 copy = obj.__dict__[name] = listening_copy(value, path.split("[")[0].split(".")[0],
                                                            self.attributes.notes)
                 self.listened.append((obj, name, copy))
+
+    def listen_nested(self, objects: Mapping[str, Any]) -> None:
+        """Recording copies in place of the inner lists of SpeechBrain's nested list
+        fields (``BLEUStats.targets``, bound over ``None`` in a rank's first batch), which
+        the metric recorder merges: a batch's read of them (``len``, ``in``, an index)
+        is noted, and names what it may have steered."""
+        for path, obj in all_flat(objects) if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
+            for name in sb_compat.nested_list_fields(obj):
+                outer = vars(obj).get(name)
+                for index, inner in enumerate(outer if type(outer) is list else ()):
+                    if type(inner) is list:
+                        outer[index] = listening_copy(inner, path.split("[")[0].split(".")[0], self.attributes.notes)
+                        self.nested.append((outer, index, outer[index]))
 
     def watch(self, label: str, sub: Any, name: str, batch: int, factory: Any) -> None:
         sub_path = label[: -len(name) - 1]
@@ -164,3 +180,7 @@ class LazyMetricFields:
             if is_recording(vars(obj).get("metrics")):
                 obj.metrics = dict(obj.metrics)
         self.announcing = []
+        for outer, index, copy in self.nested:
+            if index < len(outer) and outer[index] is copy:
+                outer[index] = list(copy)
+        self.nested = []

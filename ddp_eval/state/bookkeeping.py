@@ -280,6 +280,7 @@ class StageBook:
         self.lazy.wrap(objects, {h: tracks[h].watch.factory for h in dropped if getattr(tracks[h].watch, "factory",
                                                                                         None) is not None})
         self.lazy.observe(self.metrics.batches - 1, objects)  # metric objects first seen: fields watched
+        self.lazy.listen_nested(objects)
         self.attributes.drop(dropped)
         self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
         names, seen = vars(self.brain).keys(), self._names_of
