@@ -7,8 +7,8 @@ Ranks are simulated with the stage's own record, merge and apply
 (:func:`ddp_eval.state.bookkeeping.simulate`; only the collectives are left out).
 Float tensors and arrays changed in place are compared within the documented
 bound (docs/exactness.md). Also here: the idioms recipes write merge exactly and
-name nothing, at any number of ranks; and the property fails, with a program
-hypothesis finds, when the stage-end checks are switched off.
+name nothing, at any number of ranks. That the property fails with each check
+switched off: tests/test_checks_switched_off.py.
 """
 
 import collections
@@ -21,14 +21,13 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, find, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from speechbrain.utils.metric_stats import MetricStats
 
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.errors import DDPEvalError
 from ddp_eval.stage._verify import first_difference
-from ddp_eval.state import _recording
 from ddp_eval.state.bookkeeping import simulate
 from tests import generated_programs as grammar
 
@@ -199,20 +198,6 @@ def test_idioms_are_exact_and_name_nothing(world_size, batches_per_rank, idioms)
                 got, want, name) is None
 
 
-@pytest.mark.fast
-def test_the_property_fails_with_the_stage_end_checks_off(monkeypatch):
-    """With the recording containers and the in-place checks switched off, hypothesis
-    finds a program whose values are silently wrong: the checks are what hold it."""
-    monkeypatch.setattr(_recording, "ENABLED", False)
-    wrong = find(programs(names=["list.sort", "list.append", "Tensor.mul_", "Tensor.add_", "set.discard",
-                                 "set.add", "deque.append"]),
-                 lambda p: any(p[0]) and silently_wrong(*p) is not None,
-                 settings=settings(max_examples=500, derandomize=True, database=None, deadline=None))
-    assert silently_wrong(*wrong) is not None
-    monkeypatch.setattr(_recording, "ENABLED", True)
-    assert silently_wrong(*wrong) is None
-
-
 # Reads of a list's accumulated entries that steer what a batch appends (issue 37)
 STEERING = ["if len(list) < k: append", "if x not in list: append", "if not list: append", "append(list[-1] + 1)",
             "for x in list: ... append", "list.append", "if len(dict) < k: d[new] = b", "d[k] = sum(d.values())",
@@ -225,24 +210,6 @@ STEERING = ["if len(list) < k: append", "if x not in list: append", "if not list
 @given(programs(names=STEERING))
 def test_appends_steered_by_a_read_equal_one_process_or_are_named(program):
     _check(program)
-
-
-@pytest.mark.fast
-def test_without_naming_steered_appends_the_property_fails(monkeypatch):
-    """With the read-then-append naming switched off, hypothesis finds a program whose
-    list is silently wrong (each rank's read saw its own batches only)."""
-    _fails_when_switched_off(monkeypatch, _recording, "STEERABLE", STEERING)
-
-
-def _fails_when_switched_off(monkeypatch, module, switch, names):
-    """With ``module.switch`` off, hypothesis finds a silently wrong program over
-    ``names``; with it back on, that program is equal or named."""
-    monkeypatch.setattr(module, switch, False)
-    wrong = find(programs(names=names), lambda p: any(p[0]) and silently_wrong(*p) is not None,
-                 settings=settings(max_examples=500, derandomize=True, database=None, deadline=None))
-    assert silently_wrong(*wrong) is not None
-    monkeypatch.undo()
-    assert silently_wrong(*wrong) is None
 
 
 # Streams written per batch (concatenated), read back, and a generator advanced (issue 37)
@@ -267,17 +234,6 @@ def test_metric_objects_lists_equal_one_process_or_are_named(program):
     _check(program)
 
 
-@pytest.mark.fast
-def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeypatch):
-    """With a metric object's lists back on a recorder of lengths (0.6.0), hypothesis
-    finds a program whose metric object is silently wrong (a subclass that sorts, an
-    insert, a read that steers an append)."""
-    from ddp_eval.state import metrics
-
-    _fails_when_switched_off(monkeypatch, metrics, "WATCH_FLAT_LISTS",
-                             [name for name in METRIC if not name.startswith("lazy")])
-
-
 # Another reference to a watched container: a second attribute, a field of hparams one level deep (issue 37)
 ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nested" in name or "by_stage" in name] + [
     "list.append", "nested.append([b])", "steer by nested[0]", "dict.__setitem__", "+= int"]
@@ -292,14 +248,6 @@ def test_a_container_changed_or_read_through_another_reference_equals_one_proces
     what a batch changes or reads through it is on the one record; a place a batch
     bound anew is named."""
     _check(program)
-
-
-@pytest.mark.fast
-def test_without_shared_recording_copies_the_property_fails(monkeypatch):
-    """With each place left holding the container itself or a recording copy of its own
-    (0.9.1), hypothesis finds a program that is silently wrong (a read or an append
-    through hparams, two attributes, a dict entry)."""
-    _fails_when_switched_off(monkeypatch, _recording, "SHARE_COPIES", ALIASED)
 
 
 class _Holder:
@@ -387,15 +335,6 @@ METRIC_STEERED = [name for name in grammar.STEERING_READS if " of " in name] + C
 @given(programs(names=METRIC_STEERED))
 def test_reads_of_metric_objects_fields_that_steer_equal_one_process_or_are_named(program):
     _check(program)
-
-
-@pytest.mark.fast
-def test_without_naming_what_a_read_steers_the_property_fails(monkeypatch):
-    """With the stage-wide naming after a read that gave another answer than one process's
-    switched off, hypothesis finds a program whose value is silently wrong."""
-    from ddp_eval.state import bookkeeping
-
-    _fails_when_switched_off(monkeypatch, bookkeeping, "NAME_WHAT_READS_STEER", STEERED_FEW)
 
 
 @pytest.mark.fast

@@ -1,0 +1,74 @@
+"""The property of tests/test_operations_from_types.py fails with each check switched
+off: for each, hypothesis finds a program whose value is silently wrong, and the
+same program is equal or named with the check back on. (Apart from the property
+tests, so that the two files run side by side.)"""
+
+import pytest
+from hypothesis import Phase, find, settings
+
+from ddp_eval.state import _recording
+from tests.test_operations_from_types import ALIASED, METRIC, STEERED_FEW, STEERING, programs, silently_wrong
+
+# the first silently wrong program found is enough: shrinking it costs more than finding it
+NO_SHRINKING = settings(max_examples=500, derandomize=True, database=None, deadline=None, phases=[Phase.generate])
+
+
+def _fails_when_switched_off(monkeypatch, module, switch, names):
+    """With ``module.switch`` off, hypothesis finds a silently wrong program over
+    ``names``; with it back on, that program is equal or named."""
+    monkeypatch.setattr(module, switch, False)
+    wrong = find(programs(names=names), lambda p: any(p[0]) and silently_wrong(*p) is not None,
+                 settings=NO_SHRINKING)
+    assert silently_wrong(*wrong) is not None
+    monkeypatch.undo()
+    assert silently_wrong(*wrong) is None
+
+
+
+@pytest.mark.fast
+def test_the_property_fails_with_the_stage_end_checks_off(monkeypatch):
+    """With the recording containers and the in-place checks switched off, hypothesis
+    finds a program whose values are silently wrong: the checks are what hold it."""
+    monkeypatch.setattr(_recording, "ENABLED", False)
+    wrong = find(programs(names=["list.sort", "list.append", "Tensor.mul_", "Tensor.add_", "set.discard",
+                                 "set.add", "deque.append"]),
+                 lambda p: any(p[0]) and silently_wrong(*p) is not None,
+                 settings=NO_SHRINKING)
+    assert silently_wrong(*wrong) is not None
+    monkeypatch.setattr(_recording, "ENABLED", True)
+    assert silently_wrong(*wrong) is None
+
+
+@pytest.mark.fast
+def test_without_naming_steered_appends_the_property_fails(monkeypatch):
+    """With the read-then-append naming switched off, hypothesis finds a program whose
+    list is silently wrong (each rank's read saw its own batches only)."""
+    _fails_when_switched_off(monkeypatch, _recording, "STEERABLE", STEERING)
+
+
+@pytest.mark.fast
+def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeypatch):
+    """With a metric object's lists back on a recorder of lengths (0.6.0), hypothesis
+    finds a program whose metric object is silently wrong (a subclass that sorts, an
+    insert, a read that steers an append)."""
+    from ddp_eval.state import metrics
+
+    _fails_when_switched_off(monkeypatch, metrics, "WATCH_FLAT_LISTS",
+                             [name for name in METRIC if not name.startswith("lazy") and "bleu" not in name])
+
+
+@pytest.mark.fast
+def test_without_shared_recording_copies_the_property_fails(monkeypatch):
+    """With each place left holding the container itself or a recording copy of its own
+    (0.9.1), hypothesis finds a program that is silently wrong (a read or an append
+    through hparams, two attributes, a dict entry)."""
+    _fails_when_switched_off(monkeypatch, _recording, "SHARE_COPIES", ALIASED)
+
+
+@pytest.mark.fast
+def test_without_naming_what_a_read_steers_the_property_fails(monkeypatch):
+    """With the stage-wide naming after a read that gave another answer than one process's
+    switched off, hypothesis finds a program whose value is silently wrong."""
+    from ddp_eval.state import bookkeeping
+
+    _fails_when_switched_off(monkeypatch, bookkeeping, "NAME_WHAT_READS_STEER", STEERED_FEW)
