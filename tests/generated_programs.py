@@ -23,6 +23,7 @@ rejects (``TypeError``) tries the next shape; a call that fails on the value
 
 import collections
 import dataclasses
+import functools
 import io
 import random
 import types
@@ -134,6 +135,8 @@ class Brain:
         self.made_hardest = collections.defaultdict(KeepsHardest)
         self.made_newest = collections.defaultdict(NewestFirst)
         self.multi = MultiMetricStats(metric=_scores_by_key, batch_eval=True)
+        self.made_multi = collections.defaultdict(functools.partial(MultiMetricStats, metric=_scores_by_key,
+                                                                    batch_eval=True))  # per decoding method
         self.own = {}  # a metric object the recipe's own code makes in a batch
         self.bleu = bleu_stats()()  # nested: targets, a list per reference set (bound: reads need no None check)
         self.bleu.targets = [[]]
@@ -318,6 +321,7 @@ def _fixed():
         "lazy metric.append": lambda h, b: h.made_newest["c"].ids.append(f"u{b}"),
         "metric trimmed": lambda h, b: (setattr(h.m, "ids", h.m.ids[-2:]), setattr(h.m, "scores", h.m.scores[-2:])),
         "multi metric.append": lambda h, b: h.multi.append([f"u{b}"], [value(b)]),
+        "lazy multi metric.append": lambda h, b: h.made_multi["c"].append([f"u{b}"], [value(b)]),
         "bleu metric.append": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[f"r{b}"]]),
         "if len(bleu metric.targets[0]) < 2: append": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[f"r{b}"]])
         if len(h.bleu.targets[0]) < 2 else None,
@@ -415,6 +419,9 @@ def steering_reads():
             len(h.hparams.holder.c_list)) else None,
         "steer by k in hparams.c_dict": lambda h, b: setattr(h, "n", h.n + 1) if f"k{b % 5}" in h.hparams.c_dict
         else None,
+        "lazy multi metric.append, steer by len of its ['a'].scores": lambda h, b: (h.made_multi["c"].append(
+            [f"u{b}"], [value(b)]), setattr(h, "n", h.n + 1) if len(h.made_multi["c"].metrics["a"].scores) > 1
+                                                  else None),
         "steer by len(same_nested)": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.same_nested)) else None,
         "steer by len(by_stage['valid'])": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.by_stage[
             "valid"])) else None,

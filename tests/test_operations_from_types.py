@@ -633,3 +633,24 @@ def _bleu_cleared(init):
         init(self, start)
         self.bleu.targets = None
     return cleared_init
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_read_of_a_multimetricstats_a_defaultdict_makes_is_seen_in_the_batch_that_made_it(monkeypatch, world_size):
+    """A ``defaultdict`` of ``MultiMetricStats`` (one per decoding method) filled during the
+    stage: its per-key objects get recording copies as they are made, in the batch that
+    makes the ``MultiMetricStats``, so a read of their lists there (each rank's first
+    batch, where one process has earlier batches' entries) names what it steered;
+    appends alone stay exact and unnamed. With that off, the read is silently wrong."""
+    from ddp_eval.state import _probes
+
+    owners = list(range(world_size))
+    appends = ([["lazy multi metric.append"]] * world_size, owners, world_size)
+    single, brains, named = run_program(*appends)
+    assert named == set() and silently_wrong(*appends) is None
+    assert all(brain.made_multi["c"].metrics["a"].ids == single.made_multi["c"].metrics["a"].ids for brain in brains)
+    steering = ([["lazy multi metric.append, steer by len of its ['a'].scores"]] * world_size, owners, world_size)
+    assert "made_multi" in run_program(*steering)[2] and silently_wrong(*steering) is None
+    monkeypatch.setattr(_probes, "ANNOUNCE_MADE_KEYS", False)
+    assert silently_wrong(*steering) is not None

@@ -27,12 +27,11 @@ from speechbrain.utils.metric_stats import MultiMetricStats
 
 from ddp_eval import sb_compat
 from ddp_eval.state._attributes import AttributeTracker, Slot
-from ddp_eval.state._probes import Factory
+from ddp_eval.state._probes import MAKES_KEYS, Factory
 from ddp_eval.state._recording import announcing_copy, is_recording, listening_copy, unmergeable_operations
 from ddp_eval.state._values import ABSENT
 from ddp_eval.state.metrics import METRIC_TYPES, MetricRecorder, all_flat, field_targets
 
-_MAKES_KEYS = frozenset({MultiMetricStats.append.__code__})  # its `if key not in self.metrics` makes the key
 LISTEN_TO_LISTS_MADE_ELSEWHERE = True  # recording copies in objects no factory made (tests switch it off)
 
 
@@ -80,10 +79,13 @@ class LazyMetricFields:
         """A MultiMetricStats's ``metrics`` dict announces each per-key object it makes, which
         gets recording copies at once: a read of its lists in the batch that made it is seen."""
         for path, obj in all_flat(objects) if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
-            if isinstance(obj, MultiMetricStats) and type(vars(obj).get("metrics")) is dict:
+            if not isinstance(obj, MultiMetricStats) or any(known is obj for known in self.announcing):
+                continue
+            if type(vars(obj).get("metrics")) is dict:
                 obj.metrics = announcing_copy(obj.metrics, lambda key, made, path=path: self.listen(
                     f"{path}.metrics[{key}]", made) if isinstance(made, METRIC_TYPES) else None,
-                    path.split("[")[0].split(".")[0], self.attributes.notes, _MAKES_KEYS)
+                    path.split("[")[0].split(".")[0], self.attributes.notes, MAKES_KEYS)
+            if is_recording(vars(obj).get("metrics")):  # or the factory that made it did: its changed keys named
                 self.announcing.append(obj)
 
     def listen(self, path: str, obj: Any) -> None:

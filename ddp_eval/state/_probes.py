@@ -11,10 +11,11 @@ during a stage, so that a new entry is known to start from the factory's value.
 from typing import Any, List, Optional, Tuple
 
 import torch
+from speechbrain.utils.metric_stats import MultiMetricStats
 
 from ddp_eval.state._numbers import PROBED_TYPES, _Probe, origin_of, plain, probe
 from ddp_eval.state._rebuilt import add, concat, subtract
-from ddp_eval.state._recording import QUIET, BatchNotes, is_recording, listening_copy
+from ddp_eval.state._recording import QUIET, BatchNotes, announcing_copy, is_recording, listening_copy
 from ddp_eval.state._values import ABSENT, Op, is_array, is_metric_object, numpy
 
 _APPLY = {Op.ADD: add, Op.SUBTRACT: subtract, Op.CONCAT: concat}
@@ -81,6 +82,10 @@ def _same_values(a: Any, b: Any) -> bool:
     return False
 
 
+ANNOUNCE_MADE_KEYS = True  # a MultiMetricStats a factory makes: its per-key lists listened to (tests switch it off)
+MAKES_KEYS = frozenset({MultiMetricStats.append.__code__})  # its `if key not in self.metrics` makes the key
+
+
 def _the_factory(original: Any) -> Any:
     """What a :class:`Factory` pickled during a stage loads as: the factory it stood for."""
     return original
@@ -119,10 +124,25 @@ class Factory:
                 if type(field) in (int, float):
                     fields[name] = own[name] = probe(field)
                 elif type(field) is list and not field and is_metric_object(handed):  # its sort, insert: seen
-                    own[name] = listening_copy(field, self.label or f"{type(handed).__name__}.{name}", self.notes)
-                    self.lists.append((handed, name, own[name]))
+                    self._listen(handed, name)
+            if ANNOUNCE_MADE_KEYS and isinstance(handed, MultiMetricStats) and type(own.get("metrics")) is dict:
+                own["metrics"] = announcing_copy(own["metrics"], self._made_per_key, self.label, self.notes,
+                                                 MAKES_KEYS)
+                self.lists.append((handed, "metrics", own["metrics"]))
         self.made[id(handed)] = (handed, root, fields)
         return handed
+
+    def _listen(self, obj: Any, name: str) -> None:
+        obj.__dict__[name] = listening_copy(obj.__dict__[name], self.label or f"{type(obj).__name__}.{name}",
+                                            self.notes)
+        self.lists.append((obj, name, obj.__dict__[name]))
+
+    def _made_per_key(self, key: Any, made: Any) -> None:
+        """A MultiMetricStats it made took a per-key object: recording copies in its
+        flat lists at once, so a read of them in this batch is seen."""
+        for name, field in list(vars(made).items()) if is_metric_object(made) else ():
+            if type(field) is list and not (field and all(isinstance(x, list) for x in field)):
+                self._listen(made, name)
 
     def __reduce__(self):  # pickles, copies and dumps as the factory it stands for
         return _the_factory, (self.original,)
@@ -157,7 +177,7 @@ class Factory:
         for obj, name, _ in self.lists:
             field = obj.__dict__.get(name)
             if is_recording(field):
-                obj.__dict__[name] = list(field)
+                obj.__dict__[name] = dict(field) if isinstance(field, dict) else list(field)
         self.lists = []
 
     def origin(self, value: Any) -> Optional[Tuple[Any, List[Tuple[str, Any]]]]:
