@@ -210,3 +210,15 @@ def test_during_each_batch_every_value_is_what_the_rank_alone_holds(program):
             batch(alone, b)
         for b, got, want in zip(positions, seen[id(brain)], seen[id(alone)], strict=True):
             assert got == want, f"after batch {b} of {per_batch}, owners {owners}"
+
+
+@pytest.mark.fast
+def test_a_recording_copy_that_holds_itself_reads_as_the_plain_list():
+    """``repr``/``str`` of a recording copy go through a plain copy: one that holds itself
+    ends as the plain list does (``[...]``), not in a RecursionError."""
+    from ddp_eval.state._recording import listening_copy
+
+    copy, plain = listening_copy([1, 2], "items"), [1, 2]
+    copy.append(copy)
+    plain.append(plain)
+    assert (repr(copy), str(copy)) == (repr(plain), str(plain))

@@ -26,10 +26,10 @@ from typing import Any, Dict, Mapping, Tuple
 from speechbrain.utils.metric_stats import MultiMetricStats
 
 from ddp_eval import sb_compat
-from ddp_eval.state._attributes import AttributeTracker, Slot
+from ddp_eval.state._attributes import AttributeTracker, Slot, top_label
 from ddp_eval.state._probes import MAKES_KEYS, Factory
 from ddp_eval.state._recording import announcing_copy, is_recording, listening_copy, unmergeable_operations
-from ddp_eval.state._values import ABSENT
+from ddp_eval.state._values import ABSENT, is_flat_list
 from ddp_eval.state.metrics import METRIC_TYPES, MetricRecorder, all_flat, field_targets
 
 LISTEN_TO_LISTS_MADE_ELSEWHERE = True  # recording copies in objects no factory made (tests switch it off)
@@ -93,7 +93,7 @@ class LazyMetricFields:
         (a MultiMetricStats's per-key objects, one the recipe's code made), as a
         factory puts in: a later batch's sort or read that steers is seen."""
         for name, value in vars(obj).items() if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
-            if type(value) is list and not (value and all(isinstance(x, list) for x in value)):
+            if type(value) is list and is_flat_list(value):
                 copy = obj.__dict__[name] = listening_copy(value, path.split("[")[0].split(".")[0],
                                                            self.attributes.notes)
                 self.listened.append((obj, name, copy))
@@ -108,7 +108,7 @@ class LazyMetricFields:
                 outer = vars(obj).get(name)
                 for index, inner in enumerate(outer if type(outer) is list else ()):
                     if type(inner) is list:
-                        outer[index] = listening_copy(inner, path.split("[")[0].split(".")[0], self.attributes.notes)
+                        outer[index] = listening_copy(inner, top_label(path), self.attributes.notes)
                         self.nested.append((outer, index, outer[index]))
 
     def watch(self, label: str, sub: Any, name: str, batch: int, factory: Any) -> None:

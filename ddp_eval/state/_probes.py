@@ -16,7 +16,7 @@ from speechbrain.utils.metric_stats import MultiMetricStats
 from ddp_eval.state._numbers import PROBED_TYPES, _Probe, origin_of, plain, probe
 from ddp_eval.state._rebuilt import add, concat, subtract
 from ddp_eval.state._recording import QUIET, BatchNotes, announcing_copy, is_recording, listening_copy
-from ddp_eval.state._values import ABSENT, Op, is_array, is_metric_object, numpy
+from ddp_eval.state._values import ABSENT, Op, is_array, is_flat_list, is_metric_object, numpy
 
 _APPLY = {Op.ADD: add, Op.SUBTRACT: subtract, Op.CONCAT: concat}
 
@@ -141,7 +141,7 @@ class Factory:
         """A MultiMetricStats it made took a per-key object: recording copies in its
         flat lists at once, so a read of them in this batch is seen."""
         for name, field in list(vars(made).items()) if is_metric_object(made) else ():
-            if type(field) is list and not (field and all(isinstance(x, list) for x in field)):
+            if type(field) is list and is_flat_list(field):
                 self._listen(made, name)
 
     def __reduce__(self):  # pickles, copies and dumps as the factory it stands for

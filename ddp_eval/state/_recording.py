@@ -36,6 +36,7 @@ Example
 import collections
 import collections.abc
 import io
+import reprlib
 import sys
 import types
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
@@ -191,11 +192,12 @@ class _Recording:
     def __copy__(self):  # a deque's and a defaultdict's own copy() would keep the recording class
         return _rebuild(self._kind, _contents(self), _extra(self))
 
+    @reprlib.recursive_repr("[...]")  # a container holding itself: the copy's repr comes back here
     def __repr__(self) -> str:  # a deque's, a Counter's, a defaultdict's repr names the class: the plain one
         return repr(self.__copy__())
 
-    def __str__(self) -> str:  # a bytearray's names it too
-        return str(self.__copy__())
+    def __str__(self) -> str:  # a bytearray's names it too (for every recorded kind, str is repr)
+        return repr(self)
 
 
 def _contents(value: Any) -> Any:

@@ -185,6 +185,12 @@ class Budget:
         self.used -= nbytes
 
 
+def is_flat_list(value: Any) -> bool:
+    """A list (a recording copy too) that is not a list of lists: a metric object's
+    ``ids`` or ``scores``, not BLEUStats' ``targets``."""
+    return isinstance(value, list) and not (value and all(isinstance(x, list) for x in value))
+
+
 def is_metric_object(value: Any) -> bool:
     """A SpeechBrain metric object (told by class name: no import of SpeechBrain here)."""
     return any(cls.__name__ in ("MetricStats", "MultiMetricStats", "AccuracyStats") for cls in type(value).__mro__)

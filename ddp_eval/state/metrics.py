@@ -56,7 +56,7 @@ from ddp_eval.errors import ConfigError
 from ddp_eval.state._explain import Fingerprint, unexplained
 from ddp_eval.state._numbers import plain
 from ddp_eval.state._order import growth_since, packed
-from ddp_eval.state._values import is_number
+from ddp_eval.state._values import is_flat_list, is_number
 from ddp_eval.state.metric_merge import merge_metric_stats  # noqa: F401 - also public here
 
 METRIC_TYPES = (MetricStats, MultiMetricStats, AccuracyStats)
@@ -249,7 +249,7 @@ def field_targets(objects: Mapping[str, Any], flat_lists: bool = False) -> Dict[
     for path, sub in all_flat(objects):
         nested = sb_compat.nested_list_fields(sub)
         for name, value in vars(sub).items():
-            flat = isinstance(value, list) and not (value and all(isinstance(x, list) for x in value))
+            flat = is_flat_list(value)
             if (flat and not flat_lists) or name in nested or name == "summary" or _merged_elsewhere(value) or (
                     isinstance(sub, MultiMetricStats) and name == "metrics"):  # its metric objects, made per key
                 continue
