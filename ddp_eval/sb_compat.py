@@ -43,10 +43,17 @@ def nested_list_fields(metric: Any) -> Tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _nested_list_fields(metric_class: type) -> Tuple[str, ...]:
+    owner = nested_list_owner(metric_class)
+    return () if owner is None else NESTED_LIST_FIELDS[owner.__name__]
+
+
+def nested_list_owner(metric_class: type) -> Optional[type]:
+    """The SpeechBrain class in ``metric_class``'s bases that declares nested list
+    fields (``BLEUStats``), or None."""
     for cls in metric_class.__mro__:
         if cls.__module__.startswith("speechbrain.") and cls.__name__ in NESTED_LIST_FIELDS:
-            return NESTED_LIST_FIELDS[cls.__name__]
-    return ()
+            return cls
+    return None
 
 
 # SpeechBrain's decoders (beam searchers, scorers) keep per-call scratch state on

@@ -62,6 +62,27 @@ class LazyStats(MetricStats):
         self.n += 1
 
 
+class CalledTotal:
+    """A recipe's own accumulator called per batch (``self.total(loss)``)."""
+
+    def __init__(self):
+        self.sum, self.count = 0.0, 0
+
+    def __call__(self, x):
+        self.sum += x
+        self.count += 1
+
+
+def closure_counter():
+    """A function that keeps a running sum in its closure and returns it."""
+    seen = [0.0]
+
+    def count(x):
+        seen[0] += x
+        return seen[0]
+    return count
+
+
 def _scores(values):
     return torch.tensor(values, dtype=torch.float64)
 
@@ -129,6 +150,8 @@ class Brain:
         self.lazy = collections.defaultdict(LazyStats)
         self.it, self.last_item = iter(range(1000)), None
         self.rng = random.Random(0)
+        self.called, self.count = CalledTotal(), closure_counter()  # functions that keep state between batches
+        self.keep = functools.partial(list.append, [])
         self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
         self.log, self.blob_log = io.StringIO(), io.BytesIO()
         self.m, self.hardest, self.newest = MetricStats(metric=_scores), KeepsHardest(), NewestFirst()
@@ -140,6 +163,7 @@ class Brain:
         self.own = {}  # a metric object the recipe's own code makes in a batch
         self.bleu = bleu_stats()()  # nested: targets, a list per reference set (bound: reads need no None check)
         self.bleu.targets = [[]]
+        self.lazy_bleu = bleu_stats()()  # targets None: its append binds them, each rank's first batch too
         self.t_list, self.nested = [], []  # a list of tensors (per-batch losses), a list of lists
         # other references to watched containers: a second attribute, fields of hparams (one level deep)
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
@@ -277,6 +301,10 @@ def _fixed():
         "n += next(it)": lambda h, b: setattr(h, "n", h.n + next(h.it)),
         "x += rng.random()": lambda h, b: setattr(h, "x", h.x + h.rng.random()),
         "len(accumulated)": lambda h, b: setattr(h, "derived", len(h.c_list)),
+        # functions that keep state: an object with __call__, a closure, a partial's bound list
+        "called(x)": lambda h, b: h.called(value(b)),
+        "x += count(x)": lambda h, b: setattr(h, "x", h.x + h.count(value(b))),
+        "keep(b)": lambda h, b: h.keep(b),
         # reads of accumulated state that steer what is added (issue 37)
         "if len(list) < k: append": lambda h, b: h.c_list.append(b) if len(h.c_list) < 5 else None,
         "if x not in list: append": lambda h, b: h.c_list.append(b % 3) if b % 3 not in h.c_list else None,
@@ -330,6 +358,15 @@ def _fixed():
         "append(bleu metric.targets[0][-1])": lambda h, b: h.bleu.append([f"u{b}"], [f"p{b}"], [[
             h.bleu.targets[0][-1] + "x" if h.bleu.targets[0] else "r"]]),
         "bleu metric.targets[0].sort()": lambda h, b: h.bleu.targets[0].sort(reverse=True),
+        "lazy bleu metric.append": lambda h, b: h.lazy_bleu.append([f"u{b}"], [f"p{b}"], [[f"r{b}"], [f"s{b}"]]),
+        "lazy bleu metric.targets[0].insert(0, x)": lambda h, b: h.lazy_bleu.targets[0].insert(0, f"x{b}")
+        if h.lazy_bleu.targets is not None else None,
+        "lazy bleu metric.targets[1].reverse()": lambda h, b: h.lazy_bleu.targets[1].reverse()
+        if h.lazy_bleu.targets is not None else None,
+        "lazy bleu metric.targets = None": lambda h, b: setattr(h.lazy_bleu, "targets", None),
+        "if lazy bleu metric.targets is None or len(its [0]) < 2: append": lambda h, b: h.lazy_bleu.append(
+            [f"u{b}"], [f"p{b}"], [[f"r{b}"], [f"s{b}"]]) if h.lazy_bleu.targets is None or len(
+            h.lazy_bleu.targets[0]) < 2 else None,
         "multi metric.metrics.pop('a')": lambda h, b: h.multi.metrics.pop("a"),
         "own metric.append": lambda h, b: (h.own if "x" in h.own else h.own.setdefault("x", MetricStats(
             metric=_scores)))["x"].append([f"u{b}"], [value(b)]),

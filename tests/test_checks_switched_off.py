@@ -7,7 +7,7 @@ import pytest
 from hypothesis import Phase, find, settings
 
 from ddp_eval.state import _recording
-from tests.test_operations_from_types import ALIASED, METRIC, STEERED_FEW, STEERING, programs, silently_wrong
+from tests.test_operations_from_types import ALIASED, LAZY_BLEU, METRIC, STEERED_FEW, STEERING, programs, silently_wrong
 
 # the first silently wrong program found is enough: shrinking it costs more than finding it
 NO_SHRINKING = settings(max_examples=500, derandomize=True, database=None, deadline=None, phases=[Phase.generate])
@@ -72,3 +72,14 @@ def test_without_naming_what_a_read_steers_the_property_fails(monkeypatch):
     from ddp_eval.state import bookkeeping
 
     _fails_when_switched_off(monkeypatch, bookkeeping, "NAME_WHAT_READS_STEER", STEERED_FEW)
+
+
+@pytest.mark.fast
+def test_without_hooking_bleus_append_and_targets_the_property_fails(monkeypatch):
+    """With ``BLEUStats.append`` and ``targets`` left unhooked for the stage, hypothesis
+    finds a program whose reference lists are silently wrong: an insert or a reverse in
+    the batch whose append bound them (each rank's first), or a batch's own ``targets
+    is None`` test that steered."""
+    from ddp_eval.state import _lazy_metrics
+
+    _fails_when_switched_off(monkeypatch, _lazy_metrics, "HOOK_NESTED_FIELDS", LAZY_BLEU)

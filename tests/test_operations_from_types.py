@@ -327,6 +327,7 @@ def test_reads_that_steer_another_value_equal_one_process_or_are_named(program):
 
 # the reads of metric objects' fields (held at stage start, made by a defaultdict, by a MultiMetricStats or by
 # the recipe's code during it), among themselves
+LAZY_BLEU = [name for name in grammar.NAMES if "lazy bleu" in name]  # targets bound over None by append
 METRIC_STEERED = [name for name in grammar.STEERING_READS if " of " in name] + CHANGES[-5:] + ["+= int"]
 
 
@@ -546,6 +547,54 @@ def test_an_object_ddp_eval_cannot_read_is_named_with_what_batches_computed_from
     assert records[0].report["unmergeable"] == {} and not merged.attributes.assumed
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 2, 4], [1, 3]], [[0], [1, 2], [3, 4]], [[], [0, 1, 2, 3, 4]]],
+                         ids=["2 ranks", "3 ranks", "one idle"])
+def test_state_a_function_keeps_between_batches_is_named_and_a_callable_object_merges(layout):
+    """A closure's counter, a partial's bound list, a bound method of an object no
+    attribute holds and a ``csv.writer`` (its file out of reach), changed by batches:
+    each named, with what batches computed from them, never compared by identity. An
+    object of the recipe's own with ``__call__`` merges field by field as one process's.
+    Functions that keep nothing, or keep what no batch changes, name nothing."""
+    import csv
+    import functools
+    import io
+
+    def make(with_state):
+        brain = types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
+                                      total=grammar.CalledTotal(), loss_fn=functools.partial(max, 0),
+                                      scale=lambda x, k=2: k * x, seen_total=[])
+        brain.describe = lambda: len(vars(brain))  # holds the Brain: compared by identity
+        if with_state:
+            brain.counter, brain.keep = grammar.closure_counter(), functools.partial(list.append, [])
+            brain.push = grammar.CalledTotal().__call__  # a bound method of an object no attribute holds
+            brain.rows = csv.writer(io.StringIO())
+        return brain
+
+    def batch(brain, b):
+        brain.total(float(b))
+        brain.seen_total.append(brain.scale(brain.loss_fn(b)))
+        if hasattr(brain, "counter"):
+            brain.seen_total.append(brain.counter(b + 1))
+            brain.keep(b)
+            brain.push(b)
+            brain.rows.writerow([b])
+
+    one, _, _ = simulate([[0, 1, 2, 3, 4]], functools.partial(make, False), batch, DDPEvalConfig())
+    brains, records, merged = simulate(layout, functools.partial(make, False), batch, DDPEvalConfig())
+    assert all(r.report["unmergeable"] == {} for r in records) and not merged.attributes.assumed
+    assert not merged.attributes.conflicts
+    for brain in brains:
+        assert vars(brain.total) == vars(one[0].total) and brain.seen_total == one[0].seen_total
+    _, records, merged = simulate(layout, functools.partial(make, True), batch, DDPEvalConfig())
+    for record, positions in zip(records, layout):
+        named = record.report["unmergeable"]  # one it cannot read: named whether or not the rank had a batch
+        assert set(named) == ({"counter", "keep", "push", "rows"} if positions else {"rows"}), named
+        assert "cannot read" in named["rows"]
+        assert not positions or "closure, defaults, arguments or object" in named["counter"]
+    assert "seen_total" in merged.attributes.assumed
+
+
 def _one_key_read(read, setter, at, gap, world_size):
     """Batch ``at`` (rank 0) adds a key or element that batch ``at + gap`` (rank 1, the
     last) reads (see generated_programs._call_with_key); ranks from 2 on get no batch."""
@@ -626,6 +675,35 @@ def test_a_read_of_bleu_targets_that_steers_is_named_and_its_appends_stay_exact(
         assert silently_wrong(*program) is None
     monkeypatch.setattr(_lazy_metrics, "LISTEN_TO_LISTS_MADE_ELSEWHERE", False)
     assert all(silently_wrong(*program) is not None for program in steering)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bleu_targets_bound_over_none_merge_exactly_and_what_else_a_batch_does_to_them_is_named(world_size):
+    """``BLEUStats.targets`` starts as None and each rank's first ``append`` binds it (in
+    one process, another batch's extension); the last rank gets no batch. Appends alone
+    merge exactly and name nothing. An insert or a reverse in the batch that bound them,
+    a reset to None, and a batch's own ``targets is None`` test that steered are named;
+    with the hook off, each of those is silently wrong."""
+    from ddp_eval.state import _lazy_metrics
+
+    owners = [b % (world_size - 1) for b in range(2 * (world_size - 1))]
+    single, brains, named = run_program([["lazy bleu metric.append"]] * len(owners), owners, world_size)
+    assert named == set() and all(brain.lazy_bleu.targets == single.lazy_bleu.targets for brain in brains)
+    one_each = list(range(world_size))  # one batch per rank: each binds
+    corners = [([["lazy bleu metric.append", then]] * world_size, one_each, world_size) for then in (
+        "lazy bleu metric.targets[1].reverse()", "lazy bleu metric.targets[0].insert(0, x)")]
+    corners += [([["lazy bleu metric.append"], ["lazy bleu metric.targets = None"], ["lazy bleu metric.append"]],
+                 [0, 1, 0], world_size),
+                ([["lazy bleu metric.append"]] * 2 + [["if lazy bleu metric.targets is None or len(its [0]) < 2: "
+                                                        "append"]], [0, 0, 1], world_size)]
+    for program in corners:
+        assert "lazy_bleu" in run_program(*program)[2], program
+        assert silently_wrong(*program) is None
+    with pytest.MonkeyPatch.context() as patch:  # the insert changes the lists' lengths: named without the hook
+        patch.setattr(_lazy_metrics, "HOOK_NESTED_FIELDS", False)
+        wrong = [program for program in corners if silently_wrong(*program) is not None]
+    assert wrong == [corners[0], corners[2], corners[3]], wrong
 
 
 def _bleu_cleared(init):

@@ -90,6 +90,25 @@ def test_first_difference_compares_what_the_engine_reads_by_digest_and_reports_w
     assert uncompared and uncompared[0][0] == "gen" and "cannot be compared" in uncompared[0][1]
 
 
+def test_first_difference_compares_what_a_function_keeps_and_reports_a_shared_closure():
+    """A closure's counter and a partial's bound list are compared by what they hold;
+    the same closure on both sides (``copy.deepcopy`` keeps a function as it is, so
+    the one-process pass shares it) is reported as not compared; plain code is equal."""
+    import functools
+
+    from tests.generated_programs import closure_counter
+
+    counted, fresh = closure_counter(), closure_counter()
+    counted(1.5)
+    assert first_difference(counted, fresh, "count") == ("count (captured)[0][0]", "1.5", "0.0")
+    assert first_difference(functools.partial(max, [1]), functools.partial(max, [2]), "p") is not None
+    assert first_difference(functools.partial(max, [1]), functools.partial(max, [1]), "p") is None
+    uncompared = []
+    assert first_difference(counted, counted, "count", uncompared) is None
+    assert [path for path, _ in uncompared] == ["count"] and "shares" in uncompared[0][1]
+    assert first_difference(len, len, "len", uncompared) is None and len(uncompared) == 1
+
+
 def test_verify_does_not_change_training(tmp_path):
     """A scheduler stepped in compute_objectives (state outside the Brain) is put back
     after the reference pass: every stage's learning rate and scheduler count, on every

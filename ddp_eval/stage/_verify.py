@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ddp_eval.state import is_array, numpy
+from ddp_eval.state import compared_captured_state, is_array, numpy
 
 MODES = ("off", "first", "every", "strict")
 _MAX_SHOWN = 120  # characters of a value in a message
@@ -94,8 +94,16 @@ def first_difference(got: Any, want: Any, path: str = "", uncompared: Optional[L
         return None if got == want or (got != got and want != want) else (path, repr(got), repr(want))
     if isinstance(got, (int, str, bytes, bool, type(None), complex)):
         return None if got == want else (path, _short(got), _short(want))
-    if callable(got) or isinstance(got, torch.nn.Module):
-        return None  # code and models are not what a stage accumulates
+    captured = compared_captured_state(got)
+    if captured is not None:  # a closure's cells, a partial's arguments: state a stage may accumulate
+        if got is want and captured:
+            if uncompared is not None:
+                uncompared.append((path, f"a {type(got).__name__} whose closure, defaults or arguments hold state "
+                                         "the one-process pass shares with the merged run"))
+            return None
+        return inner(captured, compared_captured_state(want), f"{path} (captured)")
+    if isinstance(got, torch.nn.Module) or (callable(got) and getattr(got, "__dict__", None) is None):
+        return None  # models and plain code are not what a stage accumulates
     if isinstance(got, (io.StringIO, io.BytesIO)):  # its __dict__ shows none of its state
         return None if (got.getvalue(), got.tell()) == (want.getvalue(), want.tell()) else (
             path, _short(got.getvalue()), _short(want.getvalue()))

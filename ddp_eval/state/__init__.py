@@ -14,10 +14,11 @@ public API.
 
 from ddp_eval.state import _standins  # noqa: F401 - stand-ins pass as plain values to yaml and torch.load
 from ddp_eval.state._attributes import AttributeTracker
-from ddp_eval.state._explain import Fingerprint
+from ddp_eval.state._explain import Fingerprint, compared_captured_state
 from ddp_eval.state._order import as_chunks, growth_since, in_global_order
 from ddp_eval.state._outside import changed_outside, outside_markers
 from ddp_eval.state._values import is_array, is_number, is_training_machinery, numpy
 
-__all__ = ["AttributeTracker", "Fingerprint", "as_chunks", "growth_since", "in_global_order", "changed_outside",
-           "outside_markers", "is_array", "is_number", "is_training_machinery", "numpy"]
+__all__ = ["AttributeTracker", "Fingerprint", "compared_captured_state", "as_chunks", "growth_since",
+           "in_global_order", "changed_outside", "outside_markers", "is_array", "is_number", "is_training_machinery",
+           "numpy"]

@@ -28,8 +28,10 @@ True
 """
 
 import collections
+import functools
 import io
 import pickle
+import types
 import zlib
 from typing import Any, List, Optional
 
@@ -80,7 +82,17 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         return ("deque", value.maxlen, tuple(_leaf(x, held, depth + 1) for x in value))
     held.append(value)
     own = getattr(value, "__dict__", None)
-    if callable(value) or isinstance(value, (type, torch.nn.Module)):
+    captured = captured_state(value)
+    if captured is not None:  # a closure's cells, a partial's arguments, a bound method's object
+        parts = []
+        for x in captured:
+            if _by_identity(x):  # held, so that a freed object's address cannot come back as a look-alike
+                held.append(x)
+                parts.append(("object", id(x)))
+            else:
+                parts.append(_leaf(x, held, depth + 1))
+        return ("callable", id(value), tuple(parts))
+    if isinstance(value, (type, torch.nn.Module, types.ModuleType)) or (callable(value) and own is None):
         return ("object", id(value))
     if isinstance(value, io.IOBase) or hasattr(value, "gi_frame"):  # its __dict__ shows none of its state
         return ("object", id(value), _unpicklable_digest(value))
@@ -92,6 +104,67 @@ def _leaf(value: Any, held: List[Any], depth: int) -> Any:
         return ("object", id(value), digest)
     return ("object", id(value), tuple((k, _leaf(v, held, depth + 1)) for k, v in sorted(own.items(), key=str)
                                        if not callable(v)))
+
+
+def captured_state(value: Any) -> Optional[tuple]:
+    """What a function keeps between calls: a closure's cells and its defaults, a
+    partial's arguments, a bound method's object; None for anything else.
+
+    Example
+    -------
+    >>> def counter():
+    ...     n = [0]
+    ...     return lambda: n.append(1)
+    >>> count = counter()
+    >>> captured_state(count), captured_state(len)
+    (([0],), None)
+    """
+    if isinstance(value, types.FunctionType):
+        if (value.__module__ or "").split(".")[0] in _FRAMEWORKS:  # a library's cache (SpeechBrain's _dictify)
+            return None
+        cells = tuple(_cell(c) for c in value.__closure__ or ())
+        return cells + tuple(value.__defaults__ or ()) + tuple((value.__kwdefaults__ or {}).values())
+    if isinstance(value, functools.partial):
+        return (value.func, *value.args, *value.keywords.values())
+    if isinstance(value, (types.MethodType, types.BuiltinFunctionType)):
+        owner = value.__self__
+        return None if owner is None or isinstance(owner, types.ModuleType) else (owner,)
+    return None
+
+
+def compared_captured_state(value: Any) -> Optional[list]:
+    """What of :func:`captured_state` is compared by value (the Brain, modules,
+    classes and libraries' objects it holds are not); None if ``value`` keeps none."""
+    captured = captured_state(value)
+    return None if captured is None else [x for x in captured if not _by_identity(x)]
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
+
+
+# an object whose class comes from (or extends one of) these is not the recipe's own data: a sampler,
+# a loader, a tokenizer (their fields change as they work, e.g. a sampler's epoch at stage start)
+_FRAMEWORKS = ("torch", "numpy", "speechbrain", "logging", "io", "_io", "threading", "sentencepiece", "transformers")
+
+
+def of_a_framework(value: Any) -> bool:
+    """Whether ``value``'s class, or one it derives from, comes from a library whose
+    objects keep state of their own kind (a tokenizer, a logger, a SpeechBrain class)."""
+    return any((cls.__module__ or "").split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__)
+
+
+def _by_identity(value: Any) -> bool:
+    """Whether a function's captured ``value`` is compared by identity only: the
+    Brain (its own state is watched attribute by attribute), a module, a class, a
+    library's object (a tokenizer); tensors, arrays and streams are compared."""
+    if isinstance(value, (torch.Tensor, io.IOBase)) or is_array(value):
+        return False
+    return (isinstance(value, (type, types.ModuleType)) or hasattr(value, "_ddp_brain_attributes")
+            or of_a_framework(value))
 
 
 def _flat(entries: list, held: List[Any]) -> Any:
@@ -110,7 +183,7 @@ def _flat(entries: list, held: List[Any]) -> Any:
 
 _SCALAR_TYPES = {type(None), bool, int, float, complex, str, bytes}
 _UNREAD = object()  # among a fingerprint's held objects: it met an object it could not read
-_NO_STATE = frozenset({"_thread", "threading", "socket", "select", "weakref", "_csv"})  # locks, csv writers
+_NO_STATE = frozenset({"_thread", "threading", "socket", "select", "weakref"})  # locks, sockets
 _SIZED = {list, tuple, dict, set}
 
 

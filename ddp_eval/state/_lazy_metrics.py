@@ -21,7 +21,8 @@ before the merged fields are written into it.
 """
 
 import collections
-from typing import Any, Dict, Mapping, Tuple
+import functools
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 from speechbrain.utils.metric_stats import MultiMetricStats
 
@@ -33,6 +34,7 @@ from ddp_eval.state._values import ABSENT, is_flat_list
 from ddp_eval.state.metrics import METRIC_TYPES, MetricRecorder, all_flat, field_targets
 
 LISTEN_TO_LISTS_MADE_ELSEWHERE = True  # recording copies in objects no factory made (tests switch it off)
+HOOK_NESTED_FIELDS = True  # BLEUStats.append and its targets hooked for the stage (tests switch it off)
 
 
 class LazyMetricFields:
@@ -43,7 +45,12 @@ class LazyMetricFields:
         self.factories: Dict[str, Factory] = {}  # attribute -> the factory wrapped for the stage
         self.listened: list = []  # (object, field, copy): lists of objects no factory made, from their next batch
         self.announcing: list = []  # MultiMetricStats whose per-key objects get recording copies as they are made
-        self.nested: list = []  # (outer list, index, copy): the inner lists of SpeechBrain's nested fields
+        self.nested: list = []  # (outer list, index, copy, path, field): inner lists of SpeechBrain's nested fields
+        self.nested_paths: Dict[int, Tuple[str, Any]] = {}  # id -> (path, object) of those with nested fields
+        self.hooked: list = []  # the classes whose append and nested fields are hooked for the stage
+        self.in_append = 0  # inside the hooked append
+        self.none_reads: Dict[str, set] = {}  # path.field -> the rank's batches that read it while None
+        self.bound_by_batches: set = set()  # path.field the recipe's own code bound during a batch
         self.wrap(metrics.objects)
         self.announce(metrics.objects)
         self.listen_nested(metrics.objects)
@@ -104,12 +111,87 @@ class LazyMetricFields:
         the metric recorder merges: a batch's read of them (``len``, ``in``, an index)
         is noted, and names what it may have steered."""
         for path, obj in all_flat(objects) if LISTEN_TO_LISTS_MADE_ELSEWHERE else ():
-            for name in sb_compat.nested_list_fields(obj):
-                outer = vars(obj).get(name)
-                for index, inner in enumerate(outer if type(outer) is list else ()):
-                    if type(inner) is list:
-                        outer[index] = listening_copy(inner, top_label(path), self.attributes.notes)
-                        self.nested.append((outer, index, outer[index]))
+            if sb_compat.nested_list_fields(obj):
+                self.nested_paths[id(obj)] = (path, obj)
+                self._hook_append(type(obj))
+                self._listen_nested(path, obj)
+
+    def _listen_nested(self, path: str, obj: Any) -> None:
+        for name in sb_compat.nested_list_fields(obj):
+            outer = vars(obj).get(name)
+            for index, inner in enumerate(outer if type(outer) is list else ()):
+                if type(inner) is list:
+                    outer[index] = listening_copy(inner, top_label(path), self.attributes.notes)
+                    self.nested.append((outer, index, outer[index], path, name))
+
+    def _hook_append(self, kind: type) -> None:
+        """For the stage, the SpeechBrain class that declares a nested field (``BLEUStats``)
+        gets an ``append`` that calls its own, then puts recording copies in the lists
+        it bound over ``None``: what the rest of the batch does to them is seen (each
+        rank's first binding is another batch's extension in one process); and the
+        field a descriptor that notes a batch's read of it while ``None``. The
+        instances' types stay as they are; one hook per class, shared by the stage
+        books of simulated ranks, taken out when the last one releases it."""
+        owner = sb_compat.nested_list_owner(kind)
+        if not HOOK_NESTED_FIELDS or owner is None or "append" not in vars(owner) or owner in self.hooked:
+            return
+        hook = vars(owner)["append"]
+        if not hasattr(hook, "ddp_eval_books"):
+            hook = _append_hook(hook)
+            owner.append = hook
+            for name in sb_compat.NESTED_LIST_FIELDS[owner.__name__]:
+                if name not in vars(owner):
+                    setattr(owner, name, _NoneReads(name, hook.ddp_eval_books))
+        hook.ddp_eval_books.append(self)
+        self.hooked.append(owner)
+
+    def _unhook(self) -> None:
+        for owner in self.hooked:
+            hook = vars(owner).get("append")
+            if self in getattr(hook, "ddp_eval_books", ()):
+                hook.ddp_eval_books.remove(self)
+                if not hook.ddp_eval_books:
+                    owner.append = hook.__wrapped__
+                    for name, value in list(vars(owner).items()):
+                        if isinstance(value, _NoneReads):
+                            delattr(owner, name)
+        self.hooked = []
+
+    def owns(self, metric: Any) -> bool:
+        return id(metric) in self.nested_paths and self.nested_paths[id(metric)][1] is metric
+
+    def note_none_read(self, obj: Any, name: str) -> None:
+        """A batch's own code read ``obj.name`` while it was ``None`` (``if bleu.targets is None``)."""
+        if self.in_append == 0 and self.attributes.notes.listening and self.owns(obj):
+            self.none_reads.setdefault(f"{self.nested_paths[id(obj)][0]}.{name}", set()).add(self.metrics.batches)
+
+    def note_set(self, obj: Any, name: str) -> None:
+        """A batch's own code bound ``obj.name`` (``bleu.targets = None``, a reset)."""
+        if self.in_append == 0 and self.attributes.notes.listening and self.owns(obj):
+            self.bound_by_batches.add(f"{self.nested_paths[id(obj)][0]}.{name}")
+
+    def none_reads_that_steer(self, positions: Sequence[int]) -> Dict[str, str]:
+        """``{path.field: why}`` of nested fields a batch at a global position past the
+        first read while ``None``: in one process an earlier batch may have bound them."""
+        return {label: (
+            "a batch read it while it was None (each rank's first batch finds it so; in one process only the "
+            "first batch does), and what it did after that read may differ from one process: bind it in "
+            "on_stage_start (bleu.targets = [[] for _ in range(number of references)])")
+            for label, batches in self.none_reads.items()
+            if any(k >= len(positions) or positions[k] > 0 for k in batches)}
+
+    def nested_changes(self) -> Dict[str, str]:
+        """``{path.field: why}`` of the nested fields a batch's own code bound (a reset to
+        None, a new list) and of the nested lists a batch changed other than by growing
+        them (a sort, a reverse, an insert), in any batch, the one that bound them included."""
+        found = {label: ("a batch bound it (a reset to None, a new list), which ddp_eval cannot replay in one "
+                         "process's order: make a new metric object in on_stage_start instead")
+                 for label in self.bound_by_batches}
+        for _, _, copy, path, name in self.nested:
+            why = unmergeable_operations(copy) if copy.ops else None
+            if why is not None:
+                found.setdefault(f"{path}.{name}", why)
+        return found
 
     def watch(self, label: str, sub: Any, name: str, batch: int, factory: Any) -> None:
         sub_path = label[: -len(name) - 1]
@@ -182,7 +264,58 @@ class LazyMetricFields:
             if is_recording(vars(obj).get("metrics")):
                 obj.metrics = dict(obj.metrics)
         self.announcing = []
-        for outer, index, copy in self.nested:
+        self._unhook()
+        self.nested_paths = {}
+        for outer, index, copy, _, _ in self.nested:
             if index < len(outer) and outer[index] is copy:
                 outer[index] = list(copy)
         self.nested = []
+
+
+def _append_hook(original: Any) -> Any:
+    """``original`` (``BLEUStats.append``) that lets each stage book owning the metric
+    object (``ddp_eval_books``) put recording copies in what it bound."""
+    def append(metric, *args, **kwargs):
+        books = [book for book in append.ddp_eval_books if book.owns(metric)]
+        for book in books:  # its own `if self.targets is None` makes the field: not a read that steers
+            book.in_append += 1
+        try:
+            result = original(metric, *args, **kwargs)
+        finally:
+            for book in books:
+                book.in_append -= 1
+        for book in books:
+            book._listen_nested(book.nested_paths[id(metric)][0], metric)
+        return result
+    functools.update_wrapper(append, original)
+    append.ddp_eval_books = []
+    return append
+
+
+class _NoneReads:
+    """A nested field (``BLEUStats.targets``) on its class for the stage: reads and
+    writes go to the instance's ``__dict__`` as without it; a batch's read while the
+    value is ``None`` is noted (:meth:`LazyMetricFields.note_none_read`)."""
+
+    def __init__(self, name: str, books: list) -> None:
+        self.name, self.books = name, books
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            value = obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+        if value is None:
+            for book in self.books:
+                book.note_none_read(obj, self.name)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+        for book in self.books:
+            book.note_set(obj, self.name)
+
+    def __delete__(self, obj: Any) -> None:
+        del obj.__dict__[self.name]

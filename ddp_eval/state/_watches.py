@@ -38,7 +38,7 @@ import torch
 
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
-from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._explain import Fingerprint, captured_state, of_a_framework, unexplained
 from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain
 from ddp_eval.state._order import as_chunks, growth_since, packed
 from ddp_eval.state._probes import Factory
@@ -120,9 +120,10 @@ class Watch:
                            "ddp_eval: attributes_exclude if no batch uses it), or keep what batches compute in a list")
         elif unexplained(self.marker, self.obj):
             self.read_unseen = True  # a random generator: what batches drew from it went elsewhere unseen
-            self.slot.fail(f"a {type(self.obj).__name__} whose contents changed in place, which ddp_eval does "
+            held = " (what its closure, defaults, arguments or object hold)" if captured_state(self.obj) else ""
+            self.slot.fail(f"a {type(self.obj).__name__} whose contents{held} changed in place, which ddp_eval does "
                            "not record (it merges lists that grow, dicts, numbers, tensors and NumPy arrays); "
-                           "keep the state in one of those, or compute it in on_stage_end")
+                           "keep the state in one of those, as an attribute, or compute it in on_stage_end")
 
     def apply(self, kind: Kind, data: Any, last_value: Callable[[], Any]) -> None:
         raise AssertionError(f"no in-place merge for {kind}")  # a Slot applies FOLD and LAST itself
@@ -133,7 +134,8 @@ def _marker(obj: Any, depth: int = 4) -> Optional[Fingerprint]:
     checked at stage end; None for what cannot change or is watched otherwise."""
     if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, type, torch.nn.Module)):
         return None
-    if callable(obj) or sb_compat.holds_scratch_state(obj):
+    if sb_compat.holds_scratch_state(obj) or (callable(obj) and captured_state(obj) is None
+                                              and not is_plain_object(obj)):  # len, a class, a C function
         return None
     return Fingerprint.of(obj, depth)
 
@@ -507,22 +509,25 @@ def is_plain_object(value: Any) -> bool:
     """Whether ``value`` is an object of the recipe's own whose fields ddp_eval watches
     (see :class:`ObjectWatch`)."""
     own = getattr(value, "__dict__", None)
-    return (isinstance(own, dict) and not isinstance(value, _CONTAINERS) and not callable(value)
-            and not isinstance(value, (type, torch.nn.Module))
+    return (isinstance(own, dict) and not isinstance(value, _CONTAINERS) and captured_state(value) is None
+            and not isinstance(value, (type, torch.nn.Module, types.FunctionType))
+            and (not callable(value) or _calls_python(type(value)))
             and not sb_compat.holds_scratch_state(value) and not is_metric_object(value)
-            and not any(cls.__module__.split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__)
+            and not of_a_framework(value)
             and all(cls in _DICT_ONLY or cls.__dictoffset__ or cls.__dict__.get("__slots__") == ()
                     for cls in type(value).__mro__))
+
+
+def _calls_python(kind: type) -> bool:
+    """Whether ``kind``'s ``__call__`` is a Python function (a recipe's own class), not a
+    C slot (a ``functools`` cache)."""
+    own = next((vars(cls)["__call__"] for cls in kind.__mro__ if "__call__" in vars(cls)), None)
+    return isinstance(own, types.FunctionType)
 
 
 # a base class whose instances have no __dict__ keeps state the __dict__ does not show (random.Random's
 # generator, in C): such an object is compared whole, by a digest of its pickled state (_explain)
 _DICT_ONLY = (object, types.SimpleNamespace)
-
-
-# an object whose class comes from (or extends one of) these is not the recipe's own data: a sampler,
-# a loader, a tokenizer (their fields change as they work, e.g. a sampler's epoch at stage start)
-_FRAMEWORKS = ("torch", "numpy", "speechbrain", "logging", "io", "_io", "threading", "sentencepiece", "transformers")
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque, bytearray, str, bytes, int, float, complex)

@@ -306,6 +306,7 @@ class StageBook:
         changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
         report = {"layout": describe(self.metrics, self.brain, positions), "last": last, "changed": changed,
                   "batches": self.metrics.batches, **self.notes()}
+        report["unmergeable"].update(self.lazy.none_reads_that_steer(positions))
         return Collected(report, (metric_state, changes), bound)
 
     def notes(self) -> Dict[str, Any]:
@@ -316,7 +317,8 @@ class StageBook:
         run's batches did (:func:`with_journal_notes`)."""
         self.shared.note_rebound()
         unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
-                       **self.lazy.rebound(self.metrics.objects), **self.lazy.changed_keys(self.metrics.objects)}
+                       **self.lazy.rebound(self.metrics.objects), **self.lazy.changed_keys(self.metrics.objects),
+                       **self.lazy.nested_changes()}
         return {"unmergeable": unmergeable,
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads),

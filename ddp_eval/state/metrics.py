@@ -306,6 +306,7 @@ class MetricRecorder:
         self.shrunk: Dict[str, str] = {}  # path.field -> what happened
         self.changed_batches: Dict[str, int] = {}  # path -> batches that appended to it
         self.kept: Dict[Tuple[str, str], Fingerprint] = {}  # what the lists held at stage start, checked at the end
+        self.rebound: Dict[str, str] = {}  # path.field -> how a batch changed a nested field other than by append
         self.unmerged: Dict[Tuple[str, str], Fingerprint] = {}  # fields of objects created in the stage
         for path, sub in all_flat(self.objects):
             for name, value in _fields(sub, skip=self.slotted.get(path, ())):
@@ -332,6 +333,7 @@ class MetricRecorder:
                     if not isinstance(value, list) and not is_number(value) and name != "summary" and not (
                             _merged_elsewhere(value) or isinstance(sub, MultiMetricStats)):
                         self.unmerged[(path, name)] = Fingerprint.of(value)
+            self._note_binding(path, sub)
             grew = False
             for name, value in _fields(sub, skip=self.slotted.get(path, ())):
                 if isinstance(value, list):
@@ -346,6 +348,29 @@ class MetricRecorder:
                         grew = True
             if grew and path in self.start:  # existed at stage start, for the main-process-only check
                 self.changed_batches[path] = self.changed_batches.get(path, 0) + 1
+
+    def _note_binding(self, path: str, sub: Any) -> None:
+        """A nested field (``BLEUStats.targets``) is bound once, over ``None``, by its
+        ``append``, then only extended, each list as long as ``ids``. One a batch left
+        ``None`` after appending, or with lists longer or shorter than ``ids`` (an
+        insert or a cut after ``append``, also in the batch that bound it: each rank's
+        first, in one process another batch's extension), is noted. (A binding by the
+        recipe's own code is seen as it happens: ``_lazy_metrics``.)"""
+        for name in sb_compat.nested_list_fields(sub):
+            outer, ids = vars(sub).get(name), vars(sub).get("ids")
+            if not isinstance(ids, list):
+                continue
+            count = list.__len__(ids)
+            if outer is None and count:
+                why = "a batch set it back to None after its append bound it"
+            elif isinstance(outer, list) and any(not isinstance(inner, list) or list.__len__(inner) != count
+                                                 for inner in outer):
+                why = "a batch left its lists longer or shorter than ids (an insert or a cut after append)"
+            else:
+                continue
+            self.rebound.setdefault(f"{path}.{name}", f"{why}, which ddp_eval cannot replay in one process's order: "
+                                                      "create the metric object anew in on_stage_start, or change "
+                                                      "its lists in on_stage_end")
 
     def forget(self, path: str, name: str) -> None:
         """A list field the attribute engine watches from now on (one of an object
@@ -374,7 +399,7 @@ class MetricRecorder:
     def unexplained(self) -> Dict[str, str]:
         """``{path.field: why}`` of metric fields whose end state what was recorded
         does not explain (checked at stage end, before anything is merged)."""
-        found = {}
+        found = dict(self.rebound)
         flat = dict(all_flat(self.objects))
         for path in itertools.chain(self.start, self.first_seen):
             if path not in flat:
