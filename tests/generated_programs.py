@@ -23,6 +23,7 @@ rejects (``TypeError``) tries the next shape; a call that fails on the value
 
 import collections
 import dataclasses
+import fractions
 import functools
 import io
 import random
@@ -48,6 +49,42 @@ def value(b):
 class Tally:
     correct: int = 0
     total: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenTally:
+    correct: int = 0
+
+
+# values whose reads no probe sees, bound anew from the previous one: attribute -> (start, a batch's operand)
+UNREADABLE = {"flag": (False, lambda b: b % 3 == 1), "frozen": (frozenset(), lambda b: frozenset({b % 3})),
+              "cplx": (0j, lambda b: complex(b, 1)),
+              "frac": (fractions.Fraction(0), lambda b: fractions.Fraction(b, 3)),
+              "npint": (np.int64(0), lambda b: np.int64(b + 1))}
+_OPERATORS = ("__add__", "__sub__", "__mul__", "__or__", "__and__", "__xor__", "__floordiv__", "__mod__",
+              "__truediv__")
+
+
+def rebinding_operations():
+    """``x = x <op> y`` for every operator in ``dir()`` of each :data:`UNREADABLE`
+    type that takes the batch's operand, and ``x = y``."""
+    ops = {}
+    for attribute, (start, operand) in UNREADABLE.items():
+        kind = type(start).__name__
+        ops[f"{kind} = y"] = _setter(attribute, lambda x, y: y, operand)
+        for name in sorted(set(dir(type(start))) & set(_OPERATORS)):
+            try:
+                works = getattr(start, name)(operand(1)) is not NotImplemented
+            except Exception:
+                works = False
+            if works:
+                ops[f"{kind} = {kind}.{name}(y)"] = _setter(attribute, lambda x, y, name=name: getattr(x, name)(y),
+                                                            operand)
+    return ops
+
+
+def _setter(attribute, compute, operand):
+    return lambda h, b: setattr(h, attribute, compute(getattr(h, attribute), operand(b)))
 
 
 class LazyStats(MetricStats):
@@ -153,6 +190,9 @@ class Brain:
         self.called, self.count = CalledTotal(), closure_counter()  # functions that keep state between batches
         self.keep = functools.partial(list.append, [])
         self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
+        for attribute, (start_value, _) in UNREADABLE.items():  # rebound from their previous value
+            setattr(self, attribute, start_value)
+        self.frozen_tally = FrozenTally()
         self.log, self.blob_log = io.StringIO(), io.BytesIO()
         self.m, self.hardest, self.newest = MetricStats(metric=_scores), KeepsHardest(), NewestFirst()
         self.made_hardest = collections.defaultdict(KeepsHardest)
@@ -380,6 +420,14 @@ def _fixed():
         "same_nested = []": lambda h, b: setattr(h, "same_nested", []),
         "by_stage['valid'].append([b])": lambda h, b: h.by_stage["valid"].append([b + 100]),
         "by_stage['valid'] = []": lambda h, b: h.by_stage.__setitem__("valid", []),
+        # a new object computed from the previous one's fields, a watched number stored elsewhere
+        "frozen dataclass replace(n=n + 1)": lambda h, b: setattr(h, "frozen_tally", dataclasses.replace(
+            h.frozen_tally, correct=h.frozen_tally.correct + 1)),
+        "namespace = SimpleNamespace(n=ns.n + 1)": lambda h, b: setattr(h, "ns", types.SimpleNamespace(
+            n=h.ns.n + 1, t=h.ns.t)),
+        "d[k] = n": lambda h, b: h.c_dict.__setitem__("snap", h.n),
+        "x = [n, text]": lambda h, b: setattr(h, "derived", [h.n, h.text]),
+        "x = (x,)": lambda h, b: setattr(h, "derived", (h.x,)),
     }
 
 
@@ -605,6 +653,7 @@ def operations():
         else:
             left_out.append(label)
     ops.update({label: _quiet(op) for label, op in _fixed().items()})
+    ops.update({label: _quiet(op) for label, op in rebinding_operations().items()})
     return ops, left_out
 
 

@@ -59,7 +59,7 @@ def recipe_state():
     return types.SimpleNamespace(
         items=[], n=0, total=0.0, last_ids=None, stats={"TRAIN": {"loss": 1.0}}, preds={},
         conf=np.zeros((3, 3), dtype=int), cnt=torch.zeros(3, dtype=torch.long), vec=torch.zeros(2),
-        last_batch=None, flag=None, name="x", per_class=collections.defaultdict(int),
+        last_batch=None, flag="", name="x", per_class=collections.defaultdict(int),
         per_spk=collections.defaultdict(list), counts=collections.Counter(), mean=collections.defaultdict(float))
 
 
@@ -74,7 +74,7 @@ def recipe_batch(h, b):
     h.cnt[b % 3] += 1
     h.vec += b
     h.last_batch = (torch.ones(2) * b, b)  # HiFi-GAN's last_batch
-    h.flag = b % 2 == 1 if b else None  # bools and None: singletons (see the limit below)
+    h.flag = None if b % 2 else f"odd{b}"  # None and a string, set anew each batch
     h.name = f"batch{b}"
     h.per_class[b % 2] += 1
     h.per_spk[b % 3].append(b)
@@ -96,16 +96,23 @@ def test_every_kind_of_change_merges_to_one_process(layout):
         assert "last_ids" in result.assumed
 
 
-def test_binding_the_object_already_there_is_not_seen():
-    """The documented limit: a batch that binds the very object the attribute
-    holds (True over True, the same interned string) changes nothing to watch,
-    so the last batch seen to change it wins."""
-    def batch(h, b):
-        h.flag = b % 2 == 1
-
-    single, holders, _ = simulate(lambda: types.SimpleNamespace(flag=False), batch, [[0], [1], [2]])
-    assert single.flag is False  # batch 2 set False, over the False already on its rank
-    assert all(h.flag is True for h in holders)  # batch 1's True, the last change seen
+@pytest.mark.parametrize("batch", [lambda h, b: setattr(h, "flag", b % 2 == 1),
+                                   lambda h, b: setattr(h, "flag", h.flag or b == 1)], ids=["set", "or"])
+def test_a_bool_a_batch_binds_is_named_and_exact_when_declared(batch):
+    """A bool's reads and a bind of the object already there (True over True) are
+    invisible, so ``flag = b % 2 == 1`` and ``flag = flag or x`` cannot be told
+    apart: named; ``merge: {flag: max}`` makes the second exact."""
+    layout = [[0], [1], [2]]
+    _, records, _ = simulate_stage(layout, lambda: _brain(lambda: types.SimpleNamespace(flag=False)), batch,
+                                   DDPEvalConfig())
+    assert "a new bool over a bool" in records[1].report["unmergeable"]["flag"]
+    single = types.SimpleNamespace(flag=False)
+    for b in range(3):
+        batch(single, b)
+    holders, records, merged = simulate_stage(layout, lambda: _brain(lambda: types.SimpleNamespace(flag=False)),
+                                              batch, DDPEvalConfig(merge={"flag": "max"}))
+    if single.flag:  # flag or x: True once any batch saw it
+        assert not any(r.report["unmergeable"] for r in records) and [h.flag for h in holders] == [True] * 3
 
 
 def test_kinds_as_the_tracker_tells_them():
@@ -138,14 +145,13 @@ def test_created_during_the_stage_counts_from_its_first_value(layout):
 
 
 @pytest.mark.parametrize("pattern,why", [
-    (lambda h, b: setattr(h, "best", max(h.best, 0.1 * b)), "computed its new value from its previous one"),
-    (lambda h, b: setattr(h, "ema", h.ema * 0.9 + b), "computed its new value from its previous one"),
+    (lambda h, b: setattr(h, "ratio", h.ratio * h.best), "computed its new value from its previous one"),
     (lambda h, b: h.items.pop() if b % 2 else h.items.append(b), "entries were removed"),
     (lambda h, b: setattr(h, "holder", types.SimpleNamespace(n=b)) if b == 0 else setattr(h.holder, "n", b),
      "whose contents changed in place"),
 ])
 def test_what_cannot_be_merged_is_named(pattern, why):
-    holder = types.SimpleNamespace(best=0.0, ema=0.0, items=[0, 1, 2], holder=None)
+    holder = types.SimpleNamespace(best=0.0, ratio=1.0, items=[0, 1, 2], holder=None)
     tracker = AttributeTracker({name: (holder, name) for name in vars(holder)})
     tracker.before_batch()
     for b in range(3):
@@ -154,6 +160,44 @@ def test_what_cannot_be_merged_is_named(pattern, why):
         tracker.before_batch()
     _, unmergeable = tracker.finish([0, 2, 4])
     assert any(why in text for text in unmergeable.values()), unmergeable
+
+
+SCORES = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4]
+
+
+@pytest.mark.parametrize("pattern", ["max", "min", "ema"])
+def test_a_number_computed_from_its_previous_value_is_one_process_where_its_reads_replay_alike_and_named_else(
+        pattern):
+    """``best = max(best, s)``, ``min``, ``ema = 0.9 ema + s``: each batch's reads of its
+    batch-start value are replayed on one process's value at the merge; where they give
+    the same answers the result is one process's, where one does not it is named."""
+    def batch(h, b):
+        if pattern == "ema":
+            h.value = h.value * 0.9 + SCORES[b]
+        else:
+            h.value = (max if pattern == "max" else min)(h.value, SCORES[b])
+
+    def make():
+        return types.SimpleNamespace(value={"max": 0.0, "min": 1.0, "ema": 0.0}[pattern])
+
+    single = make()
+    for b in range(len(SCORES)):
+        batch(single, b)
+    # layouts where each batch's comparison answers as in one process (each rank's first batch a new best)
+    alike = {"max": [[0, 1, 3], [2, 4, 5]], "min": [[0, 2, 4], [1, 3, 5]], "ema": [[0, 1, 2, 3, 4, 5], []]}[pattern]
+    holders, records, merged = simulate_stage(alike, lambda: _brain(make), batch, DDPEvalConfig())
+    assert not merged.attributes.assumed and not any(r.report["unmergeable"] for r in records)
+    assert [h.value for h in holders] == [single.value] * len(alike)
+    holders, records, merged = simulate_stage([[0, 1, 2], [3, 4, 5]], lambda: _brain(make), batch, DDPEvalConfig())
+    named = set(merged.attributes.assumed) | {k for r in records for k in r.report["unmergeable"]}
+    assert named == {"value"}, named
+    assert "compared it" in merged.attributes.assumed["value"]
+
+
+def _brain(make):
+    holder = make()
+    holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+    return holder
 
 
 def test_bound_on_one_rank_and_changed_in_place_on_another_is_a_conflict():

@@ -7,7 +7,16 @@ import pytest
 from hypothesis import Phase, find, settings
 
 from ddp_eval.state import _recording
-from tests.test_operations_from_types import ALIASED, LAZY_BLEU, METRIC, STEERED_FEW, STEERING, programs, silently_wrong
+from tests.test_operations_from_types import (
+    ALIASED,
+    LAZY_BLEU,
+    METRIC,
+    REBOUND,
+    STEERED_FEW,
+    STEERING,
+    programs,
+    silently_wrong,
+)
 
 # the first silently wrong program found is enough: shrinking it costs more than finding it
 NO_SHRINKING = settings(max_examples=500, derandomize=True, database=None, deadline=None, phases=[Phase.generate])
@@ -83,3 +92,20 @@ def test_without_hooking_bleus_append_and_targets_the_property_fails(monkeypatch
     from ddp_eval.state import _lazy_metrics
 
     _fails_when_switched_off(monkeypatch, _lazy_metrics, "HOOK_NESTED_FIELDS", LAZY_BLEU)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("check,off", [("_unreadable", lambda value: False),
+                                       ("unprobed", lambda value, found: value)], ids=["unreadable", "probes"])
+def test_without_naming_unreadable_rebinds_or_handing_back_probes_the_property_fails(monkeypatch, check, off):
+    """With rebinds over a value whose reads no probe sees taken as set anew, or the
+    probes a batch stored elsewhere left in place, hypothesis finds a program whose
+    value is silently wrong (a Fraction summed, a bool or-ed) or holds a stand-in."""
+    from ddp_eval.state import _attributes
+
+    monkeypatch.setattr(_attributes, check, off)
+    wrong = find(programs(names=REBOUND), lambda p: any(p[0]) and silently_wrong(*p) is not None,
+                 settings=NO_SHRINKING)
+    assert silently_wrong(*wrong) is not None
+    monkeypatch.undo()
+    assert silently_wrong(*wrong) is None

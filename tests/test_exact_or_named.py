@@ -74,7 +74,7 @@ OPERATIONS = {
     "extend": lambda h, b: h.items.extend([b, -b]),
     "hist": lambda h, b: h.hist.__setitem__(b % 3, h.hist[b % 3] + 1),
     "hist_set": lambda h, b: h.hist.__setitem__(b % 3, b),
-    "hist_max": lambda h, b: h.hist.__setitem__(b % 3, max(h.hist[b % 3], b)),
+    "hist_max": lambda h, b: h.hist.__setitem__(0, max(h.hist[0], 3 - b)),
     "nested": lambda h, b: h.nested[0].append(b),
     "nested_new": lambda h, b: h.nested.append([b]),
     "dict_set": lambda h, b: h.table.__setitem__(f"k{b % 4}", b),
@@ -84,7 +84,7 @@ OPERATIONS = {
     "fadd": lambda h, b: setattr(h, "total", h.total + _value(b)),
     "assign": lambda h, b: setattr(h, "last", f"batch{b}"),
     "assign_number": lambda h, b: setattr(h, "n", b),
-    "max": lambda h, b: setattr(h, "total", max(h.total, _value(b))),
+    "max": lambda h, b: setattr(h, "total", max(h.total, _value(3 - b))),  # a new best only in one process
     "tensor_iadd": lambda h, b: h.vec.add_(torch.full((3,), _value(b), dtype=torch.float64)),
     "tensor_index": lambda h, b: h.counts.__setitem__(b % 3, h.counts[b % 3] + 1),
     "tensor_rebuilt": lambda h, b: setattr(h, "vec", h.vec + _value(b)),
@@ -105,7 +105,7 @@ OPERATIONS = {
     "metric_nested": lambda h, b: h.stats.targets[0].extend([b]),
     "metric_count": lambda h, b: setattr(h.stats, "count", h.stats.count + 1),
     "metric_tensor": lambda h, b: h.stats.vec.add_(_value(b)),
-    "metric_max": lambda h, b: setattr(h.stats, "count", max(h.stats.count, b)),
+    "metric_max": lambda h, b: setattr(h.stats, "count", max(h.stats.count, 3 - b)),
 }
 NAMES = sorted(OPERATIONS)
 

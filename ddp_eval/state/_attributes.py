@@ -45,6 +45,7 @@ Example
 [(5, '+', 2)]
 """
 
+import collections
 import itertools
 import logging
 import math
@@ -55,7 +56,7 @@ import torch
 from ddp_eval.errors import ConfigError
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probe, read_changes
+from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probe, read_changes, unprobed
 from ddp_eval.state._probes import UNSET, replay, replays_to
 from ddp_eval.state._rebuilt import (
     extends,
@@ -277,6 +278,8 @@ class Slot:
 
     def _observe_number(self, batch: int, value: Any) -> Optional[bool]:
         what, data = read_changes(self.probe, value)
+        if what == "derived" and self._replayed_reads_only(value):  # x = max(x, v): a set, its reads replayed
+            what = "set"
         if self.probe._compared and is_number(self.obj) and _recording.ENABLED:  # if x < k: ..., min(x, k)
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
@@ -318,6 +321,15 @@ class Slot:
         self.obj = plain(value)
         set_value(self.owner, self.name, self.obj)
         return True
+
+    def _replayed_reads_only(self, value: Any) -> bool:
+        """Whether a number a batch computed from its previous one (``max(x, v)``,
+        ``x * 0.9 + v``) used it only in reads the merge replays on one process's value
+        (plain operands, the batch-start value): if they give the same answers there,
+        the new value is one process's, as for ``=``; if not, the merge names it."""
+        reads = self.probe._compared
+        return (_recording.ENABLED and bool(reads) and None not in reads and not self.probe._read
+                and is_number(self.obj) and is_number(value))
 
     def _observe_rebuilt(self, batch: int, value: Any) -> Tuple[Optional[bool], Any]:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
@@ -377,13 +389,29 @@ class Slot:
             self.events.append((self.assigned_at, Op.OVER_NONE if self.over_none else Op.SET, plain_value(self.obj)))
             self.assigned_at, self.assignments, self.created = None, 0, False
         self.events.extend((batch, op, x) for op, x in ops)
-        self.obj = value
+        self.obj = value = self._without_probes(value)
         self.watch = BoundWatch(self, value)  # changed in place from now on: named at stage end
         return True
+
+    def _without_probes(self, value: Any) -> Any:
+        """``value``, bound by a batch, with the probes it holds replaced by plain
+        numbers (``d[k] = self.n``, ``[self.n]``, ``t + (self.n,)``); each number they
+        stood in for was read whole (its rank's own value went into this one)."""
+        found: List[str] = []
+        kept = unprobed(value, found)
+        if found:
+            if kept is not value:
+                value = kept
+                set_value(self.owner, self.name, value)
+            read = {top_label(label) for label in found if label}
+            self.notes.reads.update(read)
+            self.notes.whole.update(read)
+        return value
 
     def _bind(self, batch: int, value: Any) -> bool:
         """A batch bound a new object to the attribute (``=``)."""
         told_set, self.told_set = self.told_set, False
+        value = self._without_probes(value)
         if isinstance(self.obj, (list, tuple)) and not told_set and not self.watch.changes_after(
                 -1 if self.assigned_at is None else self.assigned_at):
             grown = extends(self.obj, value)
@@ -398,6 +426,17 @@ class Slot:
         if any(value is built for built in getattr(self.recorded, "built", ())):
             self.fail("a batch bound a new set computed from the previous one (s = s | {x}), which ddp_eval "
                       "cannot tell from a set made anew; add in place (s |= {x}, s.add(x)), which merges as a union")
+            return True
+        if self._read_in_batch():  # s = s - {x} | {y}, h = Holder(n=h.n + 1): computed from what it replaces
+            self.fail(f"a batch bound a new {type(value).__name__} after reading the previous one (x = f(x)), "
+                      "which ddp_eval cannot tell from a value set anew; change it in place (+=, append, add), "
+                      "declare its merge (ddp_eval: merge), or compute it in on_stage_end")
+            return True
+        if _unreadable(self.obj):  # f = f or x, t = t + Fraction(1, 3): no probe sees their reads
+            self.fail(f"a batch bound a new {type(value).__name__} over a {type(self.obj).__name__}, whose reads "
+                      "ddp_eval cannot see, so it cannot tell x = f(x) from a value set anew; count with an int "
+                      "or float (n += 1), declare its merge (ddp_eval: merge: {name: max}), or set it in "
+                      "on_stage_end")
             return True
         if self.events and not is_number(value) and not is_number(self.obj):  # set anew after rebuilds
             self.notes.sets.add(top_label(self.label))
@@ -440,6 +479,16 @@ class Slot:
         # created where there was none: its later growth may merge; bound anew: only its last value
         self.watch = make_watch(self, value, created_at=batch if self.created else None, bound=not self.created)
         return True
+
+    def _read_in_batch(self) -> bool:
+        """Whether the batch under way read the value this slot holds, or one of its
+        watched entries or fields (their probes used, their recording copies read)."""
+        held = self.probe
+        if held is not None and (held._used or held._derived or held._results):
+            return True
+        if self.obj is self.recorded and getattr(self.recorded, "_read", False):
+            return True
+        return any(entry._read_in_batch() for entry in getattr(self.watch, "entries", {}).values())
 
     def adopt(self, batch: int, value: Any, initial: Any, ops: List[Tuple[str, Any]], factory: Any = None) -> None:
         """A new dict entry its defaultdict's factory made (``d[k] += 1``,
@@ -580,6 +629,15 @@ def _replay_is_cheap(value: Any, events: int) -> bool:
 
 _PROBED_ARRAYS = {torch.Tensor} | ({numpy.ndarray} if numpy is not None else set())
 _PROBED_CONTAINERS = _PROBED_ARRAYS | {list, tuple}
+
+
+def _unreadable(value: Any) -> bool:
+    """Whether ``value`` is one whose reads no probe or recording copy sees: not a
+    number, string, container, tensor, array, object with fields or function
+    (a bool, a frozenset, a ``Fraction``, a NumPy integer)."""
+    return not (value is None or value is ABSENT or type(value) in PROBED_TYPES or is_number(value)
+                or isinstance(value, (list, tuple, dict, set, collections.deque, bytearray, torch.Tensor, type))
+                or is_array(value) or callable(value) or hasattr(value, "__dict__"))
 
 _WATCHES = {Kind.UNION: SetWatch, Kind.APPEND: (ListWatch, StreamWatch), Kind.ITEMS: ListWatch, Kind.KEYS: DictWatch,
             Kind.SUM: (TensorWatch, ArrayWatch), Kind.ACCUMULATE: (TensorWatch, ArrayWatch)}

@@ -9,7 +9,7 @@ and the stage-start value, with one of :data:`REDUCTIONS`:
 ========  ==================================================  ====================
 reduction  merged value                                        checked on each rank
 ========  ==================================================  ====================
-max        the largest (elementwise for tensors and arrays)    never below the start
+max        the largest (elementwise; of bools: any True)       never below the start
 min        the smallest                                        never above the start
 sum        start + every rank's change                         a number, tensor or array
 union      start with every rank's elements                    a set holding the start
@@ -61,6 +61,8 @@ def _all(value: Any) -> bool:
 def _reducible(reduction: str, value: Any) -> bool:
     if reduction == "union":
         return isinstance(value, (set, frozenset))
+    if isinstance(value, bool):  # max: any rank's True (flag = flag or x); min: every rank's
+        return reduction in ("max", "min")
     return is_number(value) or isinstance(value, torch.Tensor) or is_array(value)
 
 

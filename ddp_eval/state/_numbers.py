@@ -36,6 +36,8 @@ True
 """
 
 import inspect
+import operator
+import types
 from typing import Any, List, Optional, Tuple
 
 from ddp_eval.state._values import Op, as_builtin
@@ -221,6 +223,52 @@ def probe(value: Any, label: str = "") -> Any:
 
 def is_probe(value: Any) -> bool:
     return isinstance(value, _Probe)
+
+
+def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
+    """``value`` with each probe a batch put in it (``d[k] = self.n``, ``[self.n]``,
+    ``replace(acc, n=acc.n + 1)``) replaced by its plain value, in lists, dicts,
+    tuples, sets and objects' fields ``depth`` levels down; each probe's origin is
+    noted as read whole and its label appended to ``found``.
+
+    Example
+    -------
+    >>> n, found = probe(3, "n"), []
+    >>> kept = unprobed({"count": [n + 1]}, found)
+    >>> kept, type(kept["count"][0]).__name__, found
+    ({'count': [4]}, 'int', ['n'])
+    """
+    if isinstance(value, _Probe):
+        origin = value._origin
+        origin._used = origin._read = True
+        found.append(origin._label)
+        return _value(value)
+    if depth == 0 or isinstance(value, (str, bytes, int, float, type(None))):
+        return value
+    if isinstance(value, list):
+        for index, item in enumerate(list(value)):
+            kept = unprobed(item, found, depth - 1)
+            if kept is not item:
+                list.__setitem__(value, index, kept)
+    elif isinstance(value, dict):
+        for key, item in list(dict.items(value)):
+            kept = unprobed(item, found, depth - 1)
+            if kept is not item:
+                dict.__setitem__(value, key, kept)
+    elif type(value) is tuple:
+        kept = tuple(unprobed(item, found, depth - 1) for item in value)
+        return value if all(map(operator.is_, kept, value)) else kept
+    elif isinstance(value, set) and any(isinstance(item, _Probe) for item in value):
+        probes = [item for item in value if isinstance(item, _Probe)]
+        set.difference_update(value, probes)
+        set.update(value, [unprobed(item, found) for item in probes])
+    elif type(getattr(value, "__dict__", None)) is dict and not isinstance(value, (type, types.ModuleType)):
+        fields = vars(value)
+        for key, item in list(fields.items()):
+            kept = unprobed(item, found, depth - 1) if isinstance(item, (_Probe, list, dict, tuple, set)) else item
+            if kept is not item:
+                fields[key] = kept
+    return value
 
 
 def plain(value: Any) -> Any:

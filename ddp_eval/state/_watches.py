@@ -39,7 +39,7 @@ import torch
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, captured_state, of_a_framework, unexplained
-from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain
+from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain, unprobed
 from ddp_eval.state._order import as_chunks, growth_since, packed
 from ddp_eval.state._probes import Factory
 from ddp_eval.state._values import (
@@ -226,6 +226,7 @@ class ListWatch(Watch):
     def release(self) -> None:
         for entry in self.entries.values():
             entry.release()
+        _without_moved_probes(self)
 
     def observe(self, batch: int, value: list) -> bool:
         changed = False
@@ -286,6 +287,13 @@ class ListWatch(Watch):
         for i, (entry_kind, data) in entries.items():
             entry = self.entries[i]
             entry.apply(entry_kind, data, lambda label=entry.label: last_value(label))
+
+
+def _without_moved_probes(watch: Any) -> None:
+    """An entry's probe a batch moved to another place of the container (``insert``,
+    ``d[k2] = d.pop(k1)``), which its own slot does not hold: the plain number back."""
+    if watch.entries:
+        unprobed(get_value(watch.slot.owner, watch.slot.name), [], depth=1)
 
 
 def _entry(watch: Watch, key: Any, start: Any) -> Any:
@@ -395,6 +403,7 @@ class DictWatch(Watch):
             self.obj.default_factory = self.factory.original
         for entry in self.entries.values():
             entry.release()
+        _without_moved_probes(self)
 
     def observe(self, batch: int, value: dict) -> bool:
         changed, adopted = False, set()
