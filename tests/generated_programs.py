@@ -428,6 +428,9 @@ def _fixed():
         "d[k] = n": lambda h, b: h.c_dict.__setitem__("snap", h.n),
         "x = [n, text]": lambda h, b: setattr(h, "derived", [h.n, h.text]),
         "x = (x,)": lambda h, b: setattr(h, "derived", (h.x,)),
+        "list.append(n)": lambda h, b: h.c_list.append(h.n),
+        "list.append(text)": lambda h, b: h.c_list.append(h.text),
+        "namespace.t = x": lambda h, b: setattr(h.ns, "t", h.x),
     }
 
 

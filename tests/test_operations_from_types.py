@@ -262,7 +262,8 @@ def test_metric_objects_lists_equal_one_process_or_are_named(program):
 # new object made from the previous one's fields, a watched number stored in another value
 REBOUND = sorted(grammar.rebinding_operations()) + [
     "frozen dataclass replace(n=n + 1)", "namespace = SimpleNamespace(n=ns.n + 1)", "d[k] = n", "x = [n, text]",
-    "x = (x,)", "+= int", "+= float", "str +=", "max", "min", "dict.__setitem__", "tuple +="]
+    "x = (x,)", "list.append(n)", "list.append(text)", "namespace.t = x", "+= int", "+= float", "str +=", "max",
+    "min", "dict.__setitem__", "tuple +="]
 
 
 @pytest.mark.fast
@@ -270,8 +271,9 @@ REBOUND = sorted(grammar.rebinding_operations()) + [
 @given(programs(names=REBOUND))
 def test_a_value_bound_anew_from_its_previous_one_equals_one_process_or_is_named(program):
     """``flag = flag or x``, ``s = s | {x}`` on a frozenset, a ``Fraction`` or NumPy
-    integer summed, ``replace(acc, n=acc.n + 1)``, ``d[k] = self.n``: named unless one
-    process's value, and no probe is left in what the batch bound."""
+    integer summed, ``replace(acc, n=acc.n + 1)``, ``d[k] = self.n``,
+    ``items.append(self.n)``: named unless one process's value, and no probe is left
+    in what the batch bound or stored."""
     _check(program)
 
 

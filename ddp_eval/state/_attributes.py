@@ -277,6 +277,8 @@ class Slot:
         set_value(self.owner, self.name, self.obj)
 
     def _observe_number(self, batch: int, value: Any) -> Optional[bool]:
+        if is_probe(value) and value._origin is not self.probe:  # ns.v = self.n: another number's probe
+            value = self._without_probes(value)
         what, data = read_changes(self.probe, value)
         if what == "derived" and self._replayed_reads_only(value):  # x = max(x, v): a set, its reads replayed
             what = "set"
@@ -403,9 +405,7 @@ class Slot:
             if kept is not value:
                 value = kept
                 set_value(self.owner, self.name, value)
-            read = {top_label(label) for label in found if label}
-            self.notes.reads.update(read)
-            self.notes.whole.update(read)
+            self.notes.copied(found)
         return value
 
     def _bind(self, batch: int, value: Any) -> bool:

@@ -229,7 +229,8 @@ def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
     """``value`` with each probe a batch put in it (``d[k] = self.n``, ``[self.n]``,
     ``replace(acc, n=acc.n + 1)``) replaced by its plain value, in lists, dicts,
     tuples, sets and objects' fields ``depth`` levels down; each probe's origin is
-    noted as read whole and its label appended to ``found``.
+    noted as read whole and its label appended to ``found``. A probe a factory or a
+    ``get`` default handed out stays: its own record follows it.
 
     Example
     -------
@@ -240,6 +241,8 @@ def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
     """
     if isinstance(value, _Probe):
         origin = value._origin
+        if not origin._label:  # a factory's or a get default's: its own record follows it
+            return value
         origin._used = origin._read = True
         found.append(origin._label)
         return _value(value)

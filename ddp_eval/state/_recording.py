@@ -41,7 +41,7 @@ import sys
 import types
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
-from ddp_eval.state._numbers import probe
+from ddp_eval.state._numbers import is_probe, probe, unprobed
 from ddp_eval.state._values import as_builtin
 
 _FROZEN = {list: tuple, bytearray: bytes, set: frozenset, dict: types.MappingProxyType, collections.deque: tuple}
@@ -108,6 +108,14 @@ class BatchNotes:
         process, what later batches did through the rebound place went elsewhere)."""
         self.rebound_places[primary] = sorted({primary, *self.shared[id(copy)]})
 
+    def copied(self, labels: List[str]) -> None:
+        """The batch stored the probes of ``labels`` (watched numbers) in another value
+        (``items.append(self.n)``, ``d[k] = self.n``): their rank's own values went into
+        it, a read of each whole."""
+        read = {label.split("[")[0].split(".")[0] for label in labels if label}
+        self.reads |= read
+        self.whole |= read
+
     def start(self) -> None:
         """A batch starts: what the previous one noted is forgotten."""
         for recorded in self.read:
@@ -152,6 +160,11 @@ def _noting(kind: type, name: str):
             self.steered = name  # a batch read the container's accumulated entries (or items[-1]), then grew it
         if name in ("__setitem__", "add", "setdefault") and self._indexed and args:  # the entry read is set again
             self.index_sets.add(_index_key(args[0]))
+        if self._notes.listening and self._depth == 0:  # items.append(self.n): the plain number, n read whole
+            found: List[str] = []
+            args = tuple(arg if _own_probe(self, arg) else unprobed(arg, found, depth=1) for arg in args)
+            if found:
+                self._notes.copied(found)
         self._depth += 1
         try:
             return method(self, *args, **kwargs)
@@ -164,6 +177,12 @@ def _noting(kind: type, name: str):
             self._depth -= 1
     noted.__name__ = name
     return noted
+
+
+def _own_probe(recorded: Any, value: Any) -> bool:
+    """Whether ``value`` is the probe of one of ``recorded``'s own entries (``d[k] += 1``
+    sets it back: the entry's slot follows it)."""
+    return is_probe(value) and value._origin._label.split("[")[0] == recorded.label.split("[")[0]
 
 
 class _Recording:
