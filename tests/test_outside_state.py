@@ -109,3 +109,33 @@ def test_a_beam_searcher_that_decoded_other_batch_sizes_is_not_a_module_apart():
     brains[1].hparams.valid_search.calls += 1  # a buffer apart
     apart = [module_states(b) for b in brains]
     assert list(differing_modules(apart, apart)) == ["hparams.valid_search"]
+
+
+@pytest.mark.fast
+def test_what_a_recipe_object_or_a_container_in_hparams_holds_deeper_is_seen():
+    """Below what lengths and identities show: an entry's list grown in place, a
+    counter two fields down, a string field; a library's object (a logger) and a
+    module changing as they work are not named."""
+    import logging
+    import types
+
+    import torch
+
+    from ddp_eval.state._outside import changed_outside, outside_markers
+
+    tracker = types.SimpleNamespace(inner=types.SimpleNamespace(n=0), name="start")
+    table = {"utt1": [0]}
+    brain = types.SimpleNamespace(hparams=types.SimpleNamespace(
+        tracker=tracker, table=table, log=logging.getLogger("x"), model=torch.nn.Linear(2, 2), lr=0.1))
+    start = outside_markers(brain)
+    assert changed_outside(start, outside_markers(brain)) == {}
+    brain.hparams.log.disabled = True  # a library's object: as it works
+    brain.hparams.model.weight.data += 1  # a module: its state is checked apart
+    assert changed_outside(start, outside_markers(brain)) == {}
+    tracker.inner.n += 1
+    table["utt1"].append(1)
+    changed = changed_outside(start, outside_markers(brain))
+    assert set(changed) == {"hparams.tracker.inner", "hparams.table"}, changed
+    assert "what it holds changed" in changed["hparams.table"]
+    tracker.name = "end"
+    assert changed_outside(start, outside_markers(brain))["hparams.tracker.name"] == "value changed ('start' -> 'end')"

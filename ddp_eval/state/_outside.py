@@ -5,9 +5,11 @@ the checkpointer, e.g. SpeechBrain's ``HMMAligner`` keeps the alignments it
 computes in ``self.hparams.aligner.align_dict``. Under sharding each rank then
 holds only its own batches' share. :func:`outside_markers` records, cheaply,
 the values of ``self.hparams`` and of the checkpointer's recoverables and their
-list, dict, number and tensor attributes one level deep (lengths, values, a
-tensor's identity and ``_version``, the identities of a dict's values);
-:func:`changed_outside` names what differs between stage start and end.
+attributes one level deep (lengths, values, a tensor's identity and ``_version``,
+the identities of a dict's values) and, for containers and the recipe's own
+objects, a fingerprint of what they hold (``align_dict[k].append(x)``,
+``tracker.inner.n += 1``); :func:`changed_outside` names what differs between
+stage start and end.
 SpeechBrain's decoders are left out: what they keep is per-call scratch.
 
 Example
@@ -27,6 +29,7 @@ from typing import Any, Dict, Iterable, Mapping, Tuple
 import torch
 
 from ddp_eval import sb_compat
+from ddp_eval.state._explain import Fingerprint, of_a_framework
 from ddp_eval.state._values import is_number
 
 Marker = Tuple[Any, ...]
@@ -41,6 +44,39 @@ def _marker(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value), value._version)
     return None
+
+
+class _Contents:
+    """A container's or a recipe object's marker with a fingerprint of what it holds
+    (the objects it names by identity kept alive); equal to another of the same."""
+
+    __slots__ = ("key", "fingerprint")
+
+    def __init__(self, shallow: Any, value: Any) -> None:
+        self.fingerprint = Fingerprint.of(value)
+        self.key = (shallow, self.fingerprint.digest)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Contents) and self.key == other.key
+
+    __hash__ = None
+
+
+def _by_contents(value: Any) -> bool:
+    """Containers and the recipe's own objects (not modules, functions, classes or a
+    library's objects, whose fields change as they work)."""
+    if isinstance(value, (list, dict, set, tuple)):
+        return True
+    return (type(getattr(value, "__dict__", None)) is dict and not isinstance(
+        value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
+        and not of_a_framework(value) and not sb_compat.holds_scratch_state(value))
+
+
+def _full_marker(value: Any) -> Any:
+    marker = _marker(value)
+    if marker is None and isinstance(value, (str, bytes, bool, complex, type(None))):
+        marker = ("value", value)
+    return _Contents(marker, value) if _by_contents(value) else marker
 
 
 def _attributes(obj: Any) -> Iterable[Tuple[str, Any]]:
@@ -74,18 +110,27 @@ def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marke
         if id(obj) in skipped or id(obj) in seen or sb_compat.holds_scratch_state(obj):
             continue
         seen.add(id(obj))
-        marker = _marker(obj)
-        if marker is not None:
-            markers[label] = marker
+        if _marker(obj) is not None or isinstance(obj, (set, tuple)):
+            markers[label] = _full_marker(obj)
             continue
+        mark = _full_marker if _by_contents(obj) else _marker  # a library's object, a module: as before
         for name, value in _attributes(obj):
-            marker = _marker(value)
+            marker = mark(value)
             if marker is not None and id(value) not in skipped:
                 markers[f"{label}.{name}"] = marker
     return markers
 
 
-def _describe(before: Marker, after: Marker) -> str:
+def _describe(before: Any, after: Any) -> str:
+    if isinstance(before, _Contents):
+        shallow = after.key[0] if isinstance(after, _Contents) else None
+        if before.key[0] is not None and before.key[0] != shallow:
+            return _describe(before.key[0], shallow)
+        if not isinstance(after, _Contents):
+            return "replaced by another object"
+        return "what it holds changed (an entry or a field, below what its length shows)"
+    if before[0] == "value" and after is not None and after[0] == "value":
+        return f"value changed ({before[1]!r} -> {after[1]!r})"
     kind = before[0]
     if after is None or after[0] != kind or (kind != "number" and before[1] != after[1]):
         return "replaced by another object"
