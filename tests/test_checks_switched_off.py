@@ -22,10 +22,10 @@ from tests.test_operations_from_types import (
 NO_SHRINKING = settings(max_examples=500, derandomize=True, database=None, deadline=None, phases=[Phase.generate])
 
 
-def _fails_when_switched_off(monkeypatch, module, switch, names):
-    """With ``module.switch`` off, hypothesis finds a silently wrong program over
-    ``names``; with it back on, that program is equal or named."""
-    monkeypatch.setattr(module, switch, False)
+def _fails_when_switched_off(monkeypatch, module, switch, names, off=False):
+    """With ``module.switch`` off (set to ``off``), hypothesis finds a silently wrong
+    program over ``names``; with it back on, that program is equal or named."""
+    monkeypatch.setattr(module, switch, off)
     wrong = find(programs(names=names), lambda p: any(p[0]) and silently_wrong(*p) is not None,
                  settings=NO_SHRINKING)
     assert silently_wrong(*wrong) is not None
@@ -103,9 +103,4 @@ def test_without_naming_unreadable_rebinds_or_handing_back_probes_the_property_f
     value is silently wrong (a Fraction summed, a bool or-ed) or holds a stand-in."""
     from ddp_eval.state import _attributes
 
-    monkeypatch.setattr(_attributes, check, off)
-    wrong = find(programs(names=REBOUND), lambda p: any(p[0]) and silently_wrong(*p) is not None,
-                 settings=NO_SHRINKING)
-    assert silently_wrong(*wrong) is not None
-    monkeypatch.undo()
-    assert silently_wrong(*wrong) is None
+    _fails_when_switched_off(monkeypatch, _attributes, check, REBOUND, off)
