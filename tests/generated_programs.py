@@ -22,6 +22,7 @@ rejects (``TypeError``) tries the next shape; a call that fails on the value
 """
 
 import collections
+import collections.abc
 import dataclasses
 import fractions
 import functools
@@ -445,6 +446,8 @@ def steers(result):
     """A branch on what a read gave, the same function of the value in one process and on a rank."""
     if isinstance(result, bool):  # k in d, x == y: the answer itself
         return result
+    if isinstance(result, collections.abc.Iterator):  # iter(text): what it gives, not its address
+        result = list(result)
     if isinstance(result, torch.Tensor):
         return bool(torch.as_tensor(result).detach().double().nan_to_num().sum() > 1.0)
     if isinstance(result, (list, tuple)) and result and isinstance(result[0], torch.Tensor):
@@ -452,11 +455,11 @@ def steers(result):
     return sum(map(ord, repr(result))) % 3 == 0
 
 
-def _reading(kind, name, attribute):
+def _reading(kind, name, attribute, tries=((), (2,), (1, 2))):
     """``if steers(getattr(value, name)(...)): c_list.append(b)`` on ``brain.attribute``."""
     def run(brain, b):
         target = getattr(brain, attribute)
-        for args in ((), (2,), (1, 2)):
+        for args in tries:
             try:
                 result = getattr(target, name)(*args)
             except TypeError:
@@ -471,15 +474,30 @@ def _reading(kind, name, attribute):
 
 def steering_reads():
     """``{name: op}``: a read of an accumulated value, by every method ``dir()`` gives
-    for ``int`` (of ``n``), ``float`` (of ``x``) and ``list`` (of ``c_list``, steering
-    ``n``), every method of ``torch.Tensor`` that leaves ``vec`` as it is, and the
-    builtins that read a value whole (``str``, ``format``, ``hash``, ``range``),
-    followed by an append that the read steers."""
+    for ``int`` (of ``n``), ``float`` (of ``x``), ``str`` (of ``text``), ``bytes`` (of
+    ``blob``) and ``list`` (of ``c_list``, steering ``n``), every method of
+    ``torch.Tensor`` that leaves ``vec`` as it is, the length of a tensor and an array
+    batches concatenate to, and the builtins that read a value whole (``str``,
+    ``format``, ``hash``, ``range``), followed by an append that the read steers."""
     ops = {}
     for kind, attribute in ((int, "n"), (float, "x")):
         for name in dir(kind):
             if callable(getattr(kind, name)) and name not in _PLUMBING:
                 ops[f"steer by {kind.__name__}.{name}"] = _reading(kind, name, attribute)
+    for kind, attribute, text in ((str, "text", "1;"), (bytes, "blob", b"\x01")):  # appended to by batches
+        for name in dir(kind):
+            if callable(getattr(kind, name)) and name not in _PLUMBING:
+                ops[f"steer by {kind.__name__}.{name}"] = _reading(kind, name, attribute, (
+                    (), (text,), (2,), (text, text), (1, 2)))
+        for label, read in {"str": str, "repr": repr, "format": lambda v: f"<{v}>"}.items():
+            ops[f"steer by {label}({attribute})"] = lambda h, b, attribute=attribute, read=read: h.c_list.append(
+                b) if steers(read(getattr(h, attribute))) else None
+    for attribute in ("grown", "arr_grown"):  # the length of a tensor or array batches concatenate to
+        for label, read in {"len": len, "shape[0]": lambda v: v.shape[0], "size": lambda v: v.size(0) if isinstance(
+                v, torch.Tensor) else v.size, "numel": lambda v: v.numel() if isinstance(v, torch.Tensor) else
+                v.shape}.items():
+            ops[f"steer by {label} of {attribute}"] = lambda h, b, attribute=attribute, read=read: h.c_list.append(
+                b) if read(getattr(h, attribute)) % 2 else None
     for name in dir(torch.Tensor):
         if not name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name)):
             if _value_read(name):

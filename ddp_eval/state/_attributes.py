@@ -231,7 +231,8 @@ class Slot:
             current = get_value(self.owner, self.name)
             self.obj = self.obj if current is ABSENT else current  # the rank's own: what the last batch left
             self.probe = probe(self.obj, self.label) if type(self.obj) in PROBED_TYPES else None
-            self.rebuilt_probe = None if self.probe is not None or self._shared() else make_probe(self.obj, self.notes)
+            self.rebuilt_probe = None if self.probe is not None or self._shared() else make_probe(
+                self.obj, self.notes, self.label)
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
@@ -241,7 +242,7 @@ class Slot:
         else:
             if not self._shared() and (type(self.obj) in _PROBED_CONTAINERS or (
                     self.obj is self.recorded and isinstance(self.obj, list))):
-                self.rebuilt_probe = make_probe(self.obj, self.notes)
+                self.rebuilt_probe = make_probe(self.obj, self.notes, self.label)
                 if self.rebuilt_probe is not None:
                     set_value(self.owner, self.name, self.rebuilt_probe)
             self.watch.before_batch()
@@ -282,7 +283,7 @@ class Slot:
         what, data = read_changes(self.probe, value)
         if what == "derived" and self._replayed_reads_only(value):  # x = max(x, v): a set, its reads replayed
             what = "set"
-        if self.probe._compared and is_number(self.obj) and _recording.ENABLED:  # if x < k: ..., min(x, k)
+        if self.probe._compared and type(self.obj) in PROBED_TYPES and _recording.ENABLED:  # x < k, s.endswith(t)
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
             self.compared = True
@@ -337,8 +338,13 @@ class Slot:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
         (``changed`` None: see the watch, or a new object bound)."""
         probe, self.rebuilt_probe = self.rebuilt_probe, None
+        bound, value = value, (value if value is probe else plain_value(value))
+        if value is not bound:  # a probe's result (x = x + y) or view: the plain value, for the recipe
+            set_value(self.owner, self.name, value)
         if read_from(probe, rebuilt=True):  # its value used (t.sum(), float(t[0])), noted before any failure below
             self.notes.whole.add(top_label(self.label))
+        if getattr(getattr(probe, "_ddp_record", None), "shape_read", False):  # len(x), x.shape
+            self.notes.shape.add(top_label(self.label))
         growth = getattr(getattr(probe, "_ddp_record", None), "steered", None)
         if growth is not None:  # an empty list read, then grown: this rank's entries kept, named
             handed_back(probe, self.obj)
@@ -355,7 +361,7 @@ class Slot:
                       f"process's order; {remedy}")
             return True, value
         appended = handed_back(probe, self.obj)  # an empty list's probe: what batches appended to it
-        what, data = read_rebuilt(probe, value)
+        what, data = read_rebuilt(probe, bound)
         if read_from(probe, rebuilt=what == "ops"):
             self.notes.reads.add(top_label(self.label))
             self.notes.whole.add(top_label(self.label))
@@ -687,6 +693,7 @@ class AttributeTracker:
         # labels a batch found a key absent in, then maybe set it (if k not in d: self.n += 1; d[k] = 1): if the
         # value is named, its record did not replay alike, and what the read steered may differ too
         self.absent_reads: set = set()
+        self.shape_reads: set = set()  # tensors and arrays whose length batches read: a read whole if it changed
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
         self._added: List[Slot] = []  # watched since the batch began (created by it): seen after it
@@ -748,6 +755,7 @@ class AttributeTracker:
                 self.read_then_set.setdefault(label, set()).update(operands - {label})
         self.whole_reads |= self.notes.whole
         self.absent_reads |= self.notes.absent
+        self.shape_reads |= self.notes.shape
         self._added = []
         self.batches += 1
 

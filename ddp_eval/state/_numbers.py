@@ -124,13 +124,15 @@ def _used(name: str):
     def method(self, *args):
         origin = self._origin
         origin._used = True
-        result = getattr(_base(self), name)(self, *args)
+        result = _outcome(getattr(_base(self), name), self, args)
         replayable = self is origin and all(type(a) in _REPLAYABLE for a in args)
         if not (replayable or comparison):
             origin._read = True
         if not origin._compared:
             origin._compared = []
         origin._compared.append((name, tuple(plain(a) for a in args), result) if replayable else None)
+        if isinstance(result, _Raised):  # text[5] on a rank's shorter text: a read too
+            raise result.error
         return result
     method.__name__ = name
     return method
@@ -152,7 +154,32 @@ def compared_alike(comparisons: Tuple, value: Any) -> bool:
     >>> compared_alike(n._compared, 5), compared_alike(n._compared, 4)
     (True, False)
     """
-    return all(c is not None and _same(getattr(_base(value), c[0])(value, *c[1]), c[2]) for c in comparisons)
+    return all(c is not None and _same(_outcome(getattr(_base(value), c[0]), value, c[1]), c[2])
+               for c in comparisons)
+
+
+class _Raised:
+    """A read that raised (``text[5]``, ``int("x")``): compared by the exception's type."""
+
+    __slots__ = ("error", "kind")
+
+    def __init__(self, error: Optional[Exception], kind: str = "") -> None:
+        self.error, self.kind = error, kind or type(error).__qualname__
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Raised) and other.kind == self.kind
+
+    __hash__ = None
+
+    def __reduce__(self):  # travels in a report as the type's name
+        return _Raised, (None, self.kind)
+
+
+def _outcome(method: Any, value: Any, args: tuple) -> Any:
+    try:
+        return method(value, *args)
+    except Exception as error:
+        return _Raised(error)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -165,25 +192,32 @@ _USES = ("__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__fl
 # a number's value read whole: converted (float(n), range(n), items[n], torch.tensor(n)),
 # printed (f"{n}", str(n)) or used as a key (d[n])
 _NUMBER_READS = ("__int__", "__float__", "__index__", "__format__", "__str__", "__repr__", "__hash__")
+# a string's value read whole: formatted, converted or hashed (f"{s}", str(s), repr(s),
+# hash(s), d[s], bytes(b)); C code that takes its characters directly (sep.join([s]),
+# json.dumps(s)) is not seen
+_TEXT_READS = ("__format__", "__str__", "__repr__", "__hash__", "__bytes__")
 
 
 def _uses(base: type) -> List[str]:
     """What reads a probe's value, taken from ``dir()``: every method of the type but
     ``+`` and ``-`` (replayed; ``+=`` on a string is concatenation), with, for
-    numbers, their conversions (:data:`_NUMBER_READS`): a method a future Python
+    numbers, their conversions (:data:`_NUMBER_READS`), for strings, their formatting
+    (:data:`_TEXT_READS`): a method a future Python
     adds is a read too (``n.bit_count()``, ``n & 1``, ``x.hex()``).
 
     Example
     -------
     >>> {"bit_length", "__and__", "conjugate", "__mod__"} <= set(_uses(int)), "hex" in _uses(float)
     (True, True)
+    >>> {"__len__", "endswith", "__format__", "__str__"} <= set(_uses(str))
+    True
     """
     numbers = base in (int, float)
     own = [name for name in dir(base) if name not in ("__add__", "__radd__", "__sub__", "__getnewargs__", "__hash__",
                                                        "__bytes__", "__str__")
            and (name not in dir(object) or name in _USES or (numbers and name in _NUMBER_READS))]
-    if numbers:
-        own += [name for name in _NUMBER_READS if name not in own and hasattr(base, name)]
+    reads = _NUMBER_READS if numbers else _TEXT_READS
+    own += [name for name in reads if name not in own and hasattr(base, name)]
     return [name for name in own if type(inspect.getattr_static(base, name)).__name__ in _METHOD_KINDS]
 
 
@@ -248,6 +282,10 @@ def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
         return _value(value)
     if depth == 0 or isinstance(value, (str, bytes, int, float, type(None))):
         return value
+    if hasattr(type(value), "_ddp_plain"):  # a tensor's or array's probe, a view or a result of it
+        label, kept = value._ddp_plain()
+        found.append(label)
+        return kept
     if isinstance(value, list):
         for index, item in enumerate(list(value)):
             kept = unprobed(item, found, depth - 1)

@@ -49,7 +49,12 @@ _CAT = {"cat", "concat", "concatenate"}
 _NO_READ = {"__get__", "size", "dim", "numel", "nelement", "ndimension", "data_ptr", "element_size", "stride",
             "storage_offset", "is_floating_point", "is_complex", "is_contiguous", "get_device", "__len__",
             "__hash__", "__reduce_ex__", "__setstate__", "__repr__", "__format__", "requires_grad_",
-            "data.__get__", "data.__set__"}
+            "data.__get__", "data.__set__", "shape.__get__"}
+
+
+# reads of a value's length (len(x), x.shape, x.size(0)): its length is accumulated
+# state where batches concatenate to it (torch.cat([x, y]))
+_SHAPE_READS = {"__len__", "size", "numel", "nelement", "shape.__get__"}
 
 
 # what moves or reshapes a value without combining it with another (``F.pad(prev, ...)``
@@ -108,7 +113,7 @@ class _Record:
     cannot replay as increments (``writes``)."""
 
     __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered", "index_reads",
-                 "index_sets", "notes")
+                 "index_sets", "notes", "shape_read", "label")
 
     def __init__(self, root: Any, notes: Any = None) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
@@ -117,9 +122,13 @@ class _Record:
         self.steered = None  # an empty list's growing method called after a read of it
         self.read = False  # the value itself (not an entry of it) went into another computation
         self.aliased = False  # .data was read: a change through it moves no _version
+        self.shape_read = False  # its length was read (len(x), x.shape): see _SHAPE_READS
+        self.label = ""  # the watched value's
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         root = self.root
+        if name in _SHAPE_READS:
+            self.shape_read = True
         if _write(self, name, args, kwargs, out, root):
             return
         if name in _NO_READ or out is root:  # metadata, or changed in place (seen by _version)
@@ -168,10 +177,12 @@ class TensorProbe(torch.Tensor):
             name = getattr(func, "__name__", "")
             if name in ("__get__", "__set__") and getattr(func, "__self__", None) is torch.Tensor.data:
                 name = "data." + name
+            elif name == "__get__" and getattr(func, "__self__", None) is torch.Tensor.shape:
+                name = "shape.__get__"
             recorded = len(getattr(record, "results", ()))
             record.note(name, args, kwargs, out)
-            if len(getattr(record, "results", ())) != recorded:
-                pass  # x + y, torch.cat([x, y]): a result the merge may replay, handed out as it is
+            if len(getattr(record, "results", ())) != recorded and type(out) is torch.Tensor:
+                out = _result_child(out, record)  # x + y, torch.cat([x, y]): a result the merge may replay
             elif name == "data.__get__" and type(out) is torch.Tensor:  # an alias with a version of its own
                 out = _child(out, record)
                 (record.record if isinstance(record, _Used) else record).aliased = True
@@ -181,6 +192,9 @@ class TensorProbe(torch.Tensor):
             elif name in _MOVES and isinstance(out, (list, tuple)) and all(type(o) is torch.Tensor for o in out):
                 out = type(out)(_child(o, record) for o in out)  # split, chunk, unbind
         return out
+
+    def _ddp_plain(self) -> Tuple[str, torch.Tensor]:  # stored elsewhere by a batch: (its value's label, plain)
+        return _label_of(self), _as_plain(self)
 
     def __reduce_ex__(self, protocol):  # pickles and saves as the plain tensor (torch.load with weights_only too)
         return _as_plain(self).__reduce_ex__(protocol)
@@ -201,9 +215,26 @@ def _as_plain(probe: Any) -> torch.Tensor:
         return probe.as_subclass(torch.Tensor)
 
 
+def _label_of(probe: Any) -> str:
+    """The label of the watched value a probe, a view or a result of it stands for."""
+    record = getattr(probe, "_ddp_record", None)
+    record = record.record if isinstance(record, _Used) else record
+    return getattr(record, "label", "")
+
+
 def _child(tensor: torch.Tensor, record: Any) -> "TensorProbe":
     child = tensor.as_subclass(TensorProbe)
     child._ddp_record = _Used(record)
+    return child
+
+
+def _result_child(tensor: torch.Tensor, record: "_Record") -> "TensorProbe":
+    """A result the merge may replay (``x = x + y``, ``torch.cat([x, y])``), as a probe
+    whose reads are reads of what batches accumulated (:class:`_Result`)."""
+    child = tensor.as_subclass(TensorProbe)
+    child._ddp_record = _Result(record)
+    out, op, operand, _ = record.results[-1]
+    record.results[-1] = (child, op, operand, child._version)
     return child
 
 
@@ -230,6 +261,9 @@ if numpy is not None:
     class ArrayProbe(numpy.ndarray):
         """A view of a watched NumPy array that notes what a batch computes from it."""
 
+        def _ddp_plain(self):  # stored elsewhere by a batch: (its value's label, the plain array)
+            return _label_of(self), _plain_array(self)
+
         def __reduce__(self):  # pickles, copies and saves as the plain array (a read of its value)
             return _plain_array(self).__reduce__()
 
@@ -241,6 +275,24 @@ if numpy is not None:
 
         def __repr__(self):  # a subclass's repr names the class: the plain array's
             return repr(_plain_array(self))
+
+        def __len__(self):
+            _note_shape_read(self)
+            return super().__len__()
+
+        @property
+        def shape(self):
+            _note_shape_read(self)
+            return numpy.ndarray.shape.__get__(self)
+
+        @shape.setter
+        def shape(self, value):
+            numpy.ndarray.shape.__set__(self, value)
+
+        @property
+        def size(self):
+            _note_shape_read(self)
+            return numpy.ndarray.size.__get__(self)
 
         def __array_finalize__(self, obj):
             # views of the probe (x[0:2]) report uses to the same record, as uses
@@ -265,10 +317,7 @@ if numpy is not None:
                 return result
             name = {numpy.add: "add", numpy.subtract: "sub"}.get(ufunc, ufunc.__name__) if method == "__call__" \
                 else method
-            record = _find_record(inputs)
-            if record is not None:
-                record.note(name, inputs, {}, result)
-            return result
+            return _noted_array(_find_record(inputs), name, inputs, {}, result)
 
         def __getitem__(self, index):
             root = _root_record(self)
@@ -288,22 +337,41 @@ if numpy is not None:
             super().__setitem__(index, value)
 
         def __array_function__(self, func, types, args, kwargs):
-            result = func(*_unwrap(args), **kwargs)
-            record = _find_record(args)
-            if record is not None:
-                recorded = len(getattr(record, "results", ()))
-                record.note(func.__name__, args, kwargs, result)
-                if len(getattr(record, "results", ())) == recorded and func.__name__ in _MOVES and (
-                        type(result) is numpy.ndarray):
-                    result = result.view(ArrayProbe)
-                    result._ddp_record = _Used(record)
-            return result
+            return _noted_array(_find_record(args), func.__name__, args, kwargs, func(*_unwrap(args), **kwargs))
 
     _ARRAY_TYPES: tuple = (numpy.ndarray,)
     _ADDS = (numpy.add, numpy.subtract)
 else:  # pragma: no cover - torch installs numpy
     ArrayProbe = None
     _ARRAY_TYPES = ()
+
+
+def _note_shape_read(probe: Any) -> None:
+    record = getattr(probe, "_ddp_record", None)
+    if isinstance(record, (_Record, _Result)):  # of the value, or of one rebuilt from it, not of a view
+        (record.record if isinstance(record, _Result) else record).shape_read = True
+
+
+def _noted_array(record: Any, name: str, args: tuple, kwargs: dict, result: Any) -> Any:
+    """``result`` of a NumPy function or ufunc on a probe, noted: a result the merge
+    may replay (``x + y``, ``numpy.append(x, y)``) as a child whose reads are the
+    value's (:class:`_Result`), a move (a copy, a slice) as a child whose uses are."""
+    if record is None:
+        return result
+    recorded = len(getattr(record, "results", ()))
+    record.note(name, args, kwargs, result)
+    if type(result) is not numpy.ndarray:
+        return result
+    if len(getattr(record, "results", ())) != recorded:
+        child = result.view(ArrayProbe)
+        child._ddp_record = _Result(record)
+        record.results[-1] = (child,) + record.results[-1][1:]
+        return child
+    if name in _MOVES:
+        child = result.view(ArrayProbe)
+        child._ddp_record = _Used(record)
+        return child
+    return result
 
 
 def _plain_array(probe: Any) -> Any:
@@ -408,6 +476,19 @@ class _Used:
             record.used = record.read = True
 
 
+class _Result(_Used):
+    """The record seen through a value rebuilt from the probe (``x = x + y``,
+    ``torch.cat([x, y])``): it holds what earlier batches accumulated, so a read of
+    it, its length included, is a read of the value."""
+
+    __slots__ = ()
+
+    def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if name in _SHAPE_READS:
+            self.record.shape_read = True
+        super().note(name, args, kwargs, out)
+
+
 def array_probe(array: Any) -> Any:
     """A probe standing in for a NumPy ``array`` during one batch."""
     probe = array.view(ArrayProbe)
@@ -435,18 +516,21 @@ def _plain(value: Any) -> Any:
 plain_value = _plain
 
 
-def make_probe(value: Any, notes: Any = None) -> Any:
+def make_probe(value: Any, notes: Any = None, label: str = "") -> Any:
     """A probe for a tensor, array, empty list or empty tuple attribute, or None for
-    other values (``notes``: the stage's, which tell an empty one when a batch runs)."""
+    other values (``notes``: the stage's, which tell an empty one when a batch runs;
+    ``label``: the value's, noted where a batch stores what it computed from it)."""
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
-        return tensor_probe(value)
-    if numpy is not None and type(value) is numpy.ndarray:
-        return array_probe(value)
-    if (type(value) is list or type(value) is tuple or (is_recording(value) and isinstance(value, list))) and not value:
+        probe = tensor_probe(value)
+    elif numpy is not None and type(value) is numpy.ndarray:
+        probe = array_probe(value)
+    elif (type(value) in (list, tuple) or (is_recording(value) and isinstance(value, list))) and not value:
         probe = (EmptyListProbe if isinstance(value, list) else EmptyTupleProbe)()
         probe._ddp_record = _Record(probe, notes)
-        return probe
-    return None
+    else:
+        return None
+    probe._ddp_record.label = label
+    return probe
 
 
 def handed_back(probe: Any, original: Any) -> bool:
@@ -496,6 +580,7 @@ def read_rebuilt(probe: Any, value: Any) -> Tuple[str, Any]:
 
 
 def _changed_since(value: Any, mark: Any) -> bool:
+    value = _plain(value)  # ddp_eval's own look is not a read
     if isinstance(value, (list, tuple)):
         return tuple(map(id, value)) != mark
     if isinstance(value, torch.Tensor):

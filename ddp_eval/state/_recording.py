@@ -80,12 +80,13 @@ class BatchNotes:
     the batch read (each once), and read by index; ``created``: the copies made
     for it; by top-level label, ``reads`` (values that went into another),
     ``whole`` (reads whose answer may steer the batch: ``len(items)``,
-    ``t.sum()``), ``sets`` (values the batch set) and ``operands`` (numbers it added
-    other watched numbers to, ``n += self.m``) (see
+    ``t.sum()``), ``sets`` (values the batch set), ``operands`` (numbers it added
+    other watched numbers to, ``n += self.m``) and ``shape`` (tensors and arrays whose
+    length it read, ``len(x)``, ``x.shape``) (see
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
     __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "operands", "absent",
-                 "copies", "shared", "rebound_places")
+                 "shape", "copies", "shared", "rebound_places")
 
     def __init__(self) -> None:
         self.listening = False
@@ -97,6 +98,7 @@ class BatchNotes:
         self.sets: set = set()
         self.operands: dict = {}  # label of a number -> labels of watched numbers added to it (n += self.m)
         self.absent: set = set()  # dicts, sets and lists a batch found a key or index absent in
+        self.shape: set = set()
         self.copies: dict = {}  # id(container held at stage start) -> (container, its recording copy, label)
         self.shared: dict = {}  # id(recording copy) -> labels of the other places holding it (no probe stands in)
         self.rebound_places: dict = {}  # label of a shared container -> every place that held it (one was bound anew)
@@ -122,7 +124,8 @@ class BatchNotes:
             recorded._read = recorded._whole = False
         for recorded in self.indexed:
             recorded._indexed = recorded.absent = False
-        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets, self.operands, self.absent):
+        for noted in (self.read, self.indexed, self.reads, self.whole, self.sets, self.operands, self.absent,
+                      self.shape):
             noted.clear()
         self.listening = ENABLED
 
@@ -275,6 +278,8 @@ def _keeping_result(kind: type, name: str):
         if self._notes.listening and not self._read:
             self._read = True
             self._notes.read.append(self)
+        if self._notes.listening and STEERABLE:  # what it gives holds what earlier batches added
+            self._whole = True
         result = method(self, *args, **kwargs)
         self.built.append(result)
         return result

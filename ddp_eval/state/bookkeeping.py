@@ -47,7 +47,7 @@ from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
-from ddp_eval.state._values import ELSEWHERE, is_training_machinery
+from ddp_eval.state._values import ELSEWHERE, Kind, Op, is_training_machinery
 from ddp_eval.state.attribute_merge import (
     COMPARED_OTHERWISE,
     MergeResult,
@@ -154,6 +154,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
         top_label(label) for report in reports for label in report.get("unmergeable", ())}
     steering += sorted({label for report in reports for label in report.get("absent_reads", ()) if label in named}
                        - set(steering))
+    steering += sorted({label for report in reports for label in report.get("shape_reads", ())
+                        if label in named or label in _resized(result)} - set(steering))
     if not steering:
         return
     why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
@@ -162,6 +164,14 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)}
     for label in sorted({label for report in reports for label in report.get("watched", ())} - named):
         result.assumed[label] = why
+
+
+def _resized(result: MergeResult) -> set:
+    """Labels whose merge may change a tensor's or array's length: all but sums of
+    values of one shape (``x += y``, ``x = x + y``)."""
+    kept = (Op.ADD, Op.SUBTRACT, Op.COMPARED)
+    return {top_label(label) for label, (kind, data, *_) in result.merged.items() if not (
+        kind in (Kind.SUM, Kind.ACCUMULATE) or (kind is Kind.FOLD and all(op in kept for op, _ in data)))}
 
 
 def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
@@ -188,7 +198,7 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for label, read in piece.get("read_then_set", {}).items():
             read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
         merged["read_then_set"] = read_then_set
-        for key in ("whole_reads", "absent_reads", "shared_changed"):
+        for key in ("whole_reads", "absent_reads", "shape_reads", "shared_changed"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
         merged["watched"] = sorted(set(merged["watched"]) | set(piece.get("watched", ())))
@@ -323,6 +333,7 @@ class StageBook:
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads),
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
+                "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
                 "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
                     self.metrics.objects))}
