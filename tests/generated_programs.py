@@ -492,12 +492,16 @@ def steering_reads():
         for label, read in {"str": str, "repr": repr, "format": lambda v: f"<{v}>"}.items():
             ops[f"steer by {label}({attribute})"] = lambda h, b, attribute=attribute, read=read: h.c_list.append(
                 b) if steers(read(getattr(h, attribute))) else None
-    for attribute in ("grown", "arr_grown"):  # the length of a tensor or array batches concatenate to
+    for attribute in ("grown", "arr_grown"):  # the length of a tensor or array batches concatenate to, its sum
         for label, read in {"len": len, "shape[0]": lambda v: v.shape[0], "size": lambda v: v.size(0) if isinstance(
                 v, torch.Tensor) else v.size, "numel": lambda v: v.numel() if isinstance(v, torch.Tensor) else
-                v.shape}.items():
+                v.shape[0], "sum": lambda v: int(v.sum() * 10)}.items():
             ops[f"steer by {label} of {attribute}"] = lambda h, b, attribute=attribute, read=read: h.c_list.append(
                 b) if read(getattr(h, attribute)) % 2 else None
+    for attribute in ("rebuilt", "tup"):  # a list and a tuple batches rebuild (x = x + [y])
+        for label, read in {"len": len, "[-1]": lambda v: v[-1] if v else 0, "sum": sum}.items():
+            ops[f"steer by {label} of {attribute}"] = lambda h, b, attribute=attribute, read=read: h.c_list.append(
+                b) if int(read(getattr(h, attribute)) * 10) % 2 else None
     for name in dir(torch.Tensor):
         if not name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name)):
             if _value_read(name):

@@ -152,7 +152,7 @@ class _Record:
         """A value computed from the probe by ``op``, with what tells a later
         in-place change of it (``x = x + y; x += z``): its version, or a copy."""
         if isinstance(out, (list, tuple)):
-            mark = tuple(map(id, out))
+            mark = tuple(map(id, (list.__iter__ if isinstance(out, list) else tuple.__iter__)(out)))
         else:
             mark = out._version if isinstance(out, torch.Tensor) else (numpy.array(out) if is_array(out) else None)
         self.results.append((out, op, operand, mark))
@@ -399,7 +399,11 @@ class _EmptyProbe:
 
     def __add__(self, other):
         result = self._base.__add__(self._base(self._base.__iter__(self)), other)  # not a read of it
-        if result is not NotImplemented:
+        if self is not self._ddp_record.root:  # x = x + [y] twice in a batch: not replayed, derived
+            self._ddp_record.used = True
+        elif result is not NotImplemented:  # a result whose reads are the value's: it holds what batches added
+            result = _RESULT_CLASSES[self._base](result)
+            result._ddp_record = self._ddp_record
             self._ddp_record._result(result, Op.CONCAT, self._base(other))
         return result
 
@@ -456,6 +460,18 @@ def _empty_probe_class(base: type) -> type:
 EmptyListProbe, EmptyTupleProbe = _empty_probe_class(list), _empty_probe_class(tuple)
 
 
+def _rebuilt_plain(self) -> Tuple[str, Any]:
+    """A result stored elsewhere by a batch (``self.other = self.ids + [utt]``): a read
+    of the value; ``(its label, the plain list or tuple)``."""
+    _note_read(self._ddp_record)
+    return self._ddp_record.label, self._base(self._base.__iter__(self))
+
+
+# ids = ids + [utt] on an empty list's probe gives one of these: its reads are reads of the value
+_RESULT_CLASSES = {base: type(f"Rebuilt{base.__name__.capitalize()}Probe", (probe,), {"_ddp_plain": _rebuilt_plain})
+                   for base, probe in ((list, EmptyListProbe), (tuple, EmptyTupleProbe))}
+
+
 class _Used:
     """The record seen through a view of a probe: every use is a use."""
 
@@ -509,7 +525,7 @@ def _plain(value: Any) -> Any:
     if ArrayProbe is not None and isinstance(value, ArrayProbe):
         return value.view(numpy.ndarray)
     if isinstance(value, _EmptyProbe):
-        return value._base(value)
+        return value._base(value._base.__iter__(value))  # not a read
     return value
 
 

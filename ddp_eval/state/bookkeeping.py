@@ -154,8 +154,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
         top_label(label) for report in reports for label in report.get("unmergeable", ())}
     steering += sorted({label for report in reports for label in report.get("absent_reads", ()) if label in named}
                        - set(steering))
-    steering += sorted({label for report in reports for label in report.get("shape_reads", ())
-                        if label in named or label in _resized(result)} - set(steering))
+    steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
+                       - set(steering))
     if not steering:
         return
     why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
@@ -166,12 +166,11 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
         result.assumed[label] = why
 
 
-def _resized(result: MergeResult) -> set:
-    """Labels whose merge may change a tensor's or array's length: all but sums of
-    values of one shape (``x += y``, ``x = x + y``)."""
-    kept = (Op.ADD, Op.SUBTRACT, Op.COMPARED)
-    return {top_label(label) for label, (kind, data, *_) in result.merged.items() if not (
-        kind in (Kind.SUM, Kind.ACCUMULATE) or (kind is Kind.FOLD and all(op in kept for op, _ in data)))}
+def _grown(result: MergeResult) -> set:
+    """Labels whose merge concatenates to a tensor or array (``x = torch.cat([x, y])``):
+    its length is what batches accumulated."""
+    return {top_label(label) for label, (kind, data, *_) in result.merged.items()
+            if kind is Kind.FOLD and any(op == Op.CONCAT for op, _ in data)}
 
 
 def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
