@@ -111,6 +111,18 @@ class CalledTotal:
         self.count += 1
 
 
+def running_total():
+    """A generator that yields the sum of what was sent to it."""
+    total = 0
+    while True:
+        total += yield total
+
+
+def _primed(generator):
+    next(generator)
+    return generator
+
+
 def closure_counter():
     """A function that keeps a running sum in its closure and returns it."""
     seen = [0.0]
@@ -187,6 +199,7 @@ class Brain:
         self.tally, self.ns = Tally(), types.SimpleNamespace(n=0, t=0.0)
         self.lazy = collections.defaultdict(LazyStats)
         self.it, self.last_item = iter(range(1000)), None
+        self.running = _primed(running_total())  # a generator batches send() to
         self.rng = random.Random(0)
         self.called, self.count = CalledTotal(), closure_counter()  # functions that keep state between batches
         self.keep = functools.partial(list.append, [])
@@ -337,6 +350,7 @@ def _fixed():
         "namespace float +=": lambda h, b: setattr(h.ns, "t", h.ns.t + value(b)),
         "lazy metric object": lambda h, b: h.lazy[f"c{b % 2}"].add(value(b)),
         "iterator consumed": lambda h, b: setattr(h, "last_item", next(h.it)),
+        "iterator generator send": lambda h, b: h.c_list.append(h.running.send(b)),
         # a value added to a number from another watched value, an iterator, a random generator
         "n += tally.correct": lambda h, b: setattr(h, "n", h.n + h.tally.correct),
         "n += next(it)": lambda h, b: setattr(h, "n", h.n + next(h.it)),

@@ -453,12 +453,18 @@ class RecordingIterator:
 
     def __next__(self) -> Any:
         self.consumed = True
+        self._note_read()
+        return next(self.inner)
+
+    def _note_read(self) -> None:
         if self._notes.listening and not self._read:  # what it gives is what earlier batches left: a read whole
             self._read = self._whole = True
             self._notes.read.append(self)
-        return next(self.inner)
 
-    def __getattr__(self, name: str) -> Any:  # send(), close(), gi_frame, ...
+    def __getattr__(self, name: str) -> Any:  # send(), throw(), gi_frame, ...: a batch's is a read whole
+        if self._notes.listening and not name.startswith("_ddp"):
+            self.consumed = True
+            self._note_read()
         return getattr(self.inner, name)
 
     def __reduce_ex__(self, protocol: int) -> Any:  # pickles as the iterator it stands for
