@@ -777,3 +777,19 @@ def test_a_read_of_a_multimetricstats_a_defaultdict_makes_is_seen_in_the_batch_t
     assert "made_multi" in run_program(*steering)[2] and silently_wrong(*steering) is None
     monkeypatch.setattr(_probes, "ANNOUNCE_MADE_KEYS", False)
     assert silently_wrong(*steering) is not None
+
+
+@pytest.mark.fast
+def test_a_memoryview_held_on_a_watched_bytearray_stops_the_merge_with_an_error_naming_it():
+    """Writes through the view go around the bytearray's recording copy: an error, not a value."""
+    def make():
+        brain = grammar.Brain()
+        brain.buf = bytearray(4)
+        brain.view = memoryview(brain.buf)
+        return brain
+
+    def batch(brain, b):
+        brain.view[b] = 1
+
+    with pytest.raises(DDPEvalError, match="'buf'.*memoryview"):
+        simulate([[0, 2], [1, 3]], make, batch, DDPEvalConfig())

@@ -41,6 +41,7 @@ import sys
 import types
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
+from ddp_eval.errors import DDPEvalError
 from ddp_eval.state._numbers import is_probe, probe, unprobed
 from ddp_eval.state._values import as_builtin
 
@@ -618,7 +619,12 @@ def restore(recorded: Any, original: Any) -> Any:
     if isinstance(recorded, RecordingIterator):
         return original  # advanced in place: nothing to copy
     kind = type(original)
-    kind.clear(original)
+    try:
+        kind.clear(original)
+    except BufferError as error:  # a memoryview of a bytearray: what it wrote went around the recording copy
+        raise DDPEvalError(f"ddp_eval cannot put the merged value back into {recorded.label!r}: {error} (a "
+                           "memoryview of it is held); keep the view out of the Brain, or release it "
+                           "(view.release()) in on_stage_start") from error
     _fill(original, recorded, kind)
     return original
 
