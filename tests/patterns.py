@@ -16,6 +16,9 @@ rank, returning what ``on_stage_end`` saw.
   ``self.stage_output``; an EDER-like file appended without it; BEST-RQ's accuracy
   appended under ``if if_main_process():``.
 * ``modules``: InputNormalization called through hparams, not in ``modules`` (six recipes).
+* ``outside_reads``: a counter kept in an object of ``hparams`` (not listed in
+  ``attributes_include``), read by every batch to choose what it appends to a Brain list:
+  the list is named with the outside state.
 * ``ordinary_code`` (issue 26): what ordinary Python and PyTorch code does outside the
   patterns above: a pre-sized list changed in place (``hist[label] += 1``), a
   MetricStats subclass of the recipe's own with a dict of lists per speaker and a
@@ -66,7 +69,7 @@ import ddp_eval
 from tests import toy
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
-            "unmergeable_code", "training_only")
+            "unmergeable_code", "training_only", "outside_reads")
 
 
 def bleu_stats():
@@ -447,6 +450,20 @@ class PatternBrain(toy.ToyBrain):
     def _end_modules(self, stage, stage_loss, epoch):
         return {"count": self.hparams.input_norm.count}
 
+    # -- outside_reads: a count kept in hparams steers an append -------------------------
+
+    def _start_outside_reads(self, stage):
+        self.odd_ids = []
+
+    def _batch_outside_reads(self, logits, labels, loss, batch, stage):
+        tally = self.hparams.tally.inner
+        tally.n += 1
+        if tally.n % 2:  # on a rank, its own batches' count
+            self.odd_ids.append(batch.id[0])
+
+    def _end_outside_reads(self, stage, stage_loss, epoch):
+        return {"odd_ids": list(self.odd_ids)}
+
     # -- training_only: a random augmentation in hparams, never called in VALID/TEST ----------
 
     def _start_training_only(self, stage):
@@ -476,6 +493,8 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
         brain.hparams.eder_file = str(out / "eder.txt")
     if pattern == "modules":
         brain.hparams.input_norm = InputNormalization()
+    if pattern == "outside_reads":
+        brain.hparams.tally = types.SimpleNamespace(inner=types.SimpleNamespace(n=0))
     if pattern == "training_only":
         brain.hparams.speed_perturb = SpeedPerturb(orig_freq=8000, speeds=list(range(80, 121, 4)))
     return brain

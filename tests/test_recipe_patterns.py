@@ -248,3 +248,14 @@ def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
         assert f"'{field}'" in warnings, (field, warnings)
     assert "insert()" in warnings and "then bound a new value to it" in warnings
     assert all(any(g[k] != w[k] for g, w in zip(got, want)) for k in ("hardest", "newest", "trimmed", "first_five"))
+
+
+def test_a_value_a_batch_computed_from_state_outside_the_brain_is_named_with_it(ranks, references):
+    """A count kept in an object of hparams (not listed) steers what batches append to a
+    Brain list: the list holds each rank's answer, so it is named with the outside state."""
+    world_size, outs = ranks
+    warnings = " ".join(outs[0]["outside_reads"]["warnings"])
+    assert "'hparams.tally.inner'" in warnings and "state outside the Brain" in warnings, warnings
+    assert "'odd_ids'" in warnings and "state outside the Brain ['hparams.tally.inner'] changed" in warnings, warnings
+    want = evaluation_records(references["outside_reads"])
+    assert any(g["odd_ids"] != w["odd_ids"] for g, w in zip(evaluation_records(outs[0]["outside_reads"]), want))

@@ -142,7 +142,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                                                     changed: set) -> None:
     """A batch whose read gave another answer than one process's (a number whose
     reads do not replay alike; a container or tensor other batches changed, read
-    whole) may also have left undone what one process did (``if self.n % 2:
+    whole; state outside the Brain that changed, whose reads no probe sees) may
+    also have left undone what one process did (``if self.n % 2:
     self.odd.append(i)`` on a rank where ``n`` was even): every value the stage
     watches that is not named yet is named as assumed (merged as recorded)."""
     if not NAME_WHAT_READS_STEER:
@@ -156,14 +157,27 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
                        - set(steering))
-    if not steering:
+    outside = sorted({label for report in reports for label in report.get("outside", ())
+                      if not _of_a_module(label, report)})  # a module learning: named apart, as an effect
+    if steering:
+        why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
+               "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
+               "batches did it; read accumulated values in on_stage_end, or declare the merge (ddp_eval: merge)")
+    elif outside:  # no read of it is seen: any batch may have read it
+        why = (f"state outside the Brain {outside} changed during the stage, so on each rank it held only its own "
+               "batches' share, and what a batch computed from it may differ from one process: merged as each "
+               f"rank's batches did it; merge that state (ddp_eval: attributes_include: [{outside[0]}]), or list "
+               "it in attributes_exclude if no batch reads it")
+    else:
         return
-    why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
-           "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
-           "batches did it; read accumulated values in on_stage_end, or declare the merge (ddp_eval: merge)")
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)}
     for label in sorted({label for report in reports for label in report.get("watched", ())} - named):
         result.assumed[label] = why
+
+
+def _of_a_module(label: str, report: Mapping[str, Any]) -> bool:
+    modules = report.get("modules", ({},))[0]
+    return any(label == where or label.startswith(where + ".") for where in modules)
 
 
 def _grown(result: MergeResult) -> set:
