@@ -341,6 +341,12 @@ def _fixed():
         "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),
         "+= int": lambda h, b: setattr(h, "n", h.n + b),
         "numpy.append": lambda h, b: setattr(h, "arr_grown", np.append(h.arr_grown, value(b))),
+        # NumPy's own methods that change an array in place (dir(numpy.ndarray), those that keep its shape)
+        "ndarray.fill": lambda h, b: h.arr.fill(value(b)),
+        "ndarray.sort": lambda h, b: h.arr.sort(),
+        "ndarray.put": lambda h, b: h.arr.put([b % 3], [value(b)]),
+        "ndarray.partition": lambda h, b: h.arr.partition(1),
+        "ndarray.flat[i] = v": lambda h, b: h.arr.flat.__setitem__(b % 3, value(b)),
         "torch.cat": lambda h, b: setattr(h, "grown", torch.cat([h.grown, t(b)[:1]])),
         "torch.stack": lambda h, b: setattr(h, "vec", torch.stack([h.vec, t(b)]).sum(0)),
         "dataclass field +=": lambda h, b: setattr(h.tally, "correct", h.tally.correct + 1),
@@ -456,6 +462,11 @@ _PLUMBING = {"__class__", "__init__", "__new__", "__getattribute__", "__setattr_
              "__new_member__"}
 
 
+# ndarray methods that change the array (the grammar's writes), write a file, or give an alias or a device
+_ARRAY_NOT_READ = {"fill", "sort", "put", "partition", "resize", "setfield", "setflags", "dump", "tofile", "view",
+                   "to_device"}
+
+
 def steers(result):
     """A branch on what a read gave, the same function of the value in one process and on a rank."""
     if isinstance(result, bool):  # k in d, x == y: the answer itself
@@ -516,6 +527,10 @@ def steering_reads():
         for label, read in {"len": len, "[-1]": lambda v: v[-1] if v else 0, "sum": sum}.items():
             ops[f"steer by {label} of {attribute}"] = lambda h, b, attribute=attribute, read=read: h.c_list.append(
                 b) if int(read(getattr(h, attribute)) * 10) % 2 else None
+    for name in dir(np.ndarray):  # NumPy's own methods, which do not pass through its dispatch
+        if not name.startswith("_") and callable(getattr(np.ndarray, name)) and name not in _ARRAY_NOT_READ:
+            ops[f"steer by ndarray.{name}"] = _reading(np.ndarray, name, "arr")
+    ops["steer by ndarray.flat[0]"] = lambda h, b: h.c_list.append(b) if steers(float(h.arr.flat[0])) else None
     for name in dir(torch.Tensor):
         if not name.endswith("_") and not name.startswith("_") and callable(getattr(torch.Tensor, name)):
             if _value_read(name):

@@ -259,12 +259,12 @@ def is_probe(value: Any) -> bool:
     return isinstance(value, _Probe)
 
 
-def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
+def unprobed(value: Any, found: List[str], depth: int = 4, handed: bool = False) -> Any:
     """``value`` with each probe a batch put in it (``d[k] = self.n``, ``[self.n]``,
     ``replace(acc, n=acc.n + 1)``) replaced by its plain value, in lists, dicts,
     tuples, sets and objects' fields ``depth`` levels down; each probe's origin is
     noted as read whole and its label appended to ``found``. A probe a factory or a
-    ``get`` default handed out stays: its own record follows it.
+    ``get`` default handed out stays (its own record follows it), unless ``handed``.
 
     Example
     -------
@@ -275,8 +275,8 @@ def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
     """
     if isinstance(value, _Probe):
         origin = value._origin
-        if not origin._label:  # a factory's or a get default's: its own record follows it
-            return value
+        if not origin._label:  # a factory's or a get default's: its own record follows it, but where none does
+            return _value(value) if handed else value
         origin._used = origin._read = True
         found.append(origin._label)
         return _value(value)
@@ -288,25 +288,26 @@ def unprobed(value: Any, found: List[str], depth: int = 4) -> Any:
         return kept
     if isinstance(value, list):
         for index, item in enumerate(list(value)):
-            kept = unprobed(item, found, depth - 1)
+            kept = unprobed(item, found, depth - 1, handed)
             if kept is not item:
                 list.__setitem__(value, index, kept)
     elif isinstance(value, dict):
         for key, item in list(dict.items(value)):
-            kept = unprobed(item, found, depth - 1)
+            kept = unprobed(item, found, depth - 1, handed)
             if kept is not item:
                 dict.__setitem__(value, key, kept)
     elif type(value) is tuple:
-        kept = tuple(unprobed(item, found, depth - 1) for item in value)
+        kept = tuple(unprobed(item, found, depth - 1, handed) for item in value)
         return value if all(map(operator.is_, kept, value)) else kept
     elif isinstance(value, set) and any(isinstance(item, _Probe) for item in value):
         probes = [item for item in value if isinstance(item, _Probe)]
         set.difference_update(value, probes)
-        set.update(value, [unprobed(item, found) for item in probes])
+        set.update(value, [unprobed(item, found, handed=handed) for item in probes])
     elif type(getattr(value, "__dict__", None)) is dict and not isinstance(value, (type, types.ModuleType)):
         fields = vars(value)
         for key, item in list(fields.items()):
-            kept = unprobed(item, found, depth - 1) if isinstance(item, (_Probe, list, dict, tuple, set)) else item
+            kept = unprobed(item, found, depth - 1, handed) if isinstance(item, (_Probe, list, dict, tuple, set)) \
+                else item
             if kept is not item:
                 fields[key] = kept
     return value

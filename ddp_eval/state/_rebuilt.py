@@ -257,6 +257,36 @@ def tensor_probe(tensor: torch.Tensor) -> TensorProbe:
     return probe
 
 
+# NumPy's own methods, which do not pass through its dispatch (a.tolist(), a.item(), a.dot(b), a.sort()),
+# from dir(numpy.ndarray): reads of the value, but for those that change it in place (writes) and these
+_ARRAY_WRITES = frozenset({"fill", "sort", "put", "partition", "resize", "setfield", "itemset"})
+_ARRAY_NOT_READS = frozenset({"view", "setflags", "to_device"})  # an alias (ddp_eval's own too), flags, a device
+_ARRAY_READ_DUNDERS = ("__iter__", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__contains__")
+
+
+def _through_memory(probe: Any, name: str) -> Any:
+    root = _root_record(probe)
+    if root is not None:
+        root.used = root.read = True
+        root.writes.append(f".{name}")
+    return getattr(numpy.ndarray, name).__get__(probe)
+
+
+def _array_method(name: str):
+    method = getattr(numpy.ndarray, name)
+
+    def run(self, *args, **kwargs):
+        root = _root_record(self)
+        if root is not None:
+            if name in _ARRAY_WRITES or (name == "byteswap" and (args[:1] == (True,) or kwargs.get("inplace"))):
+                root.writes.append(f"{name}()")
+            else:
+                root.used = root.read = True
+        return method(self, *args, **kwargs)
+    run.__name__ = name
+    return run
+
+
 if numpy is not None:
     class ArrayProbe(numpy.ndarray):
         """A view of a watched NumPy array that notes what a batch computes from it."""
@@ -288,6 +318,14 @@ if numpy is not None:
         @shape.setter
         def shape(self, value):
             numpy.ndarray.shape.__set__(self, value)
+
+        @property
+        def flat(self):  # an iterator over the memory (a.flat[0], a.flat[i] = v): a read, and maybe a write
+            return _through_memory(self, "flat")
+
+        @property
+        def data(self):  # a buffer of the memory
+            return _through_memory(self, "data")
 
         @property
         def size(self):
@@ -332,12 +370,18 @@ if numpy is not None:
             root = _root_record(self)
             if root is not None:
                 root.index_sets.add(_index_key(index))
-                if not any(value is s for s in root.sums) and _index_key(index) not in root.sums:
+                key = _index_key(index)  # root.sums holds arrays too: compared by identity, keys by value
+                if not any(value is s or (type(s) is tuple and s == key) for s in root.sums):
                     root.writes.append("index assignment of a value not computed from it")
             super().__setitem__(index, value)
 
         def __array_function__(self, func, types, args, kwargs):
             return _noted_array(_find_record(args), func.__name__, args, kwargs, func(*_unwrap(args), **kwargs))
+
+    for _name in [name for name in dir(numpy.ndarray) if not name.startswith("_") and callable(
+            getattr(numpy.ndarray, name)) and name not in _ARRAY_NOT_READS] + list(_ARRAY_READ_DUNDERS):
+        if _name not in vars(ArrayProbe) and hasattr(numpy.ndarray, _name):
+            setattr(ArrayProbe, _name, _array_method(_name))
 
     _ARRAY_TYPES: tuple = (numpy.ndarray,)
     _ADDS = (numpy.add, numpy.subtract)

@@ -413,6 +413,8 @@ def _recording_class(kind: type) -> type:
         namespace["get"] = _handing_probe(kind.get)
     if _builtin(kind) is set:
         namespace.update({name: _keeping_result(kind, name) for name in _BUILDS_SET if hasattr(kind, name)})
+    if _builtin(kind) is collections.deque:  # q[0]: which entry sits there is what batches left
+        namespace["__getitem__"] = _reading(kind, "__getitem__")
     namespace["__module__"] = __name__
     name = kind.__name__[:1].upper() + kind.__name__[1:]
     # between batches a copy is of the quiet class (the type's own C methods: ddp_eval's reads cost

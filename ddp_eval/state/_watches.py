@@ -291,9 +291,10 @@ class ListWatch(Watch):
 
 def _without_moved_probes(watch: Any) -> None:
     """An entry's probe a batch moved to another place of the container (``insert``,
-    ``d[k2] = d.pop(k1)``), which its own slot does not hold: the plain number back."""
-    if watch.entries:
-        unprobed(get_value(watch.slot.owner, watch.slot.name), [], depth=1)
+    ``d[k2] = d.pop(k1)``), which its own slot does not hold, and one a ``get`` default
+    or a factory handed out that no slot took (the dict was named first: ``d.clear()``,
+    then ``d[k] = d.get(k, 0) + 1``): the plain number back."""
+    unprobed(get_value(watch.slot.owner, watch.slot.name), [], depth=1, handed=True)
 
 
 def _entry(watch: Watch, key: Any, start: Any) -> Any:
