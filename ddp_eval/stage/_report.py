@@ -22,7 +22,7 @@ from ddp_eval.errors import ConfigError
 from ddp_eval.stage._effects import main_only
 from ddp_eval.stage._model import differing_modules
 from ddp_eval.state.attribute_merge import last_writer
-from ddp_eval.state.bookkeeping import last_candidates_of
+from ddp_eval.state.bookkeeping import last_candidates_of, of_a_module
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class StageReport:
                 "place, or objects bound anew. Compute the value in on_stage_end from merged state, "
                 f"or list the attribute in ddp_eval: attributes_exclude (silences this), or set shard_{name}: false.")
         outside = [{label: why for label, why in r.get("outside", {}).items()
-                    if not any(label == m or label.startswith(m + ".") for m in self.modules)}
+                    if not of_a_module(label, self.modules)}
                    for r in self.per_rank]
         found = _first_seen(outside)
         if found:

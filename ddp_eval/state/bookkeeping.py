@@ -157,8 +157,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
                        - set(steering))
-    outside = sorted({label for report in reports for label in report.get("outside", ())
-                      if not _of_a_module(label, report)})  # a module learning: named apart, as an effect
+    outside = sorted({label for report in reports for label in report.get("outside", ())  # a module learning:
+                      if not of_a_module(label, report.get("modules", ({},))[0])})  # named apart, as an effect
     if steering:
         why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
                "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
@@ -175,8 +175,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
         result.assumed[label] = why
 
 
-def _of_a_module(label: str, report: Mapping[str, Any]) -> bool:
-    modules = report.get("modules", ({},))[0]
+def of_a_module(label: str, modules: Iterable[str]) -> bool:
+    """Whether ``label`` is one of ``modules`` (their paths) or a field of one."""
     return any(label == where or label.startswith(where + ".") for where in modules)
 
 
