@@ -392,6 +392,7 @@ def _fixed():
         "stream: if tell() < k: write": lambda h, b: h.log.write(f"u{b}\n") if h.log.tell() < 8 else None,
         "stream: write(len(getvalue()))": lambda h, b: h.log.write(f"{len(h.log.getvalue())};"),
         "stream seek(0) then write": lambda h, b: (h.log.seek(0), h.log.write("x")),
+        "first.append(len(stream.getvalue()))": lambda h, b: h.first.append(len(h.log.getvalue())),
         "sum(accumulated)": lambda h, b: setattr(h, "derived", sum(h.c_counter.values())),
         "from a number": lambda h, b: setattr(h, "derived", h.n * 2),
         "get(k, 0) + 1": lambda h, b: h.c_dict.__setitem__(f"g{b % 2}", h.c_dict.get(f"g{b % 2}", 0) + 1),

@@ -535,10 +535,11 @@ def test_streams_and_generators_batches_touch_are_named():
     def make():
         return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
                                      numbered=io.StringIO(), first=io.StringIO(), head=io.StringIO("kept\n"),
-                                     quiet=io.StringIO("kept\n"), idle_gen=(i for i in range(5)))
+                                     quiet=io.StringIO("kept\n"), idle_gen=(i for i in range(5)), lengths=[])
 
     def batch(h, b):
         h.numbered.write(f"{len(h.numbered.getvalue().splitlines())} utt{b}\n")  # a read steers the write
+        h.lengths.append(len(h.numbered.getvalue()))  # ... and another value
         if h.first.tell() < 10:
             h.first.write(f"utt{b}\n")
         h.head.write(f"{b}")  # at position 0: over what it held
@@ -548,12 +549,13 @@ def test_streams_and_generators_batches_touch_are_named():
         elif hasattr(h, "gen"):
             next(h.gen)
 
-    _, records, _ = simulate_stage([[0, 2], [1, 3]], make, batch, DDPEvalConfig())
+    _, records, merged = simulate_stage([[0, 2], [1, 3]], make, batch, DDPEvalConfig())
     named = records[0].report["unmergeable"]
     assert {"numbered", "first", "head", "gen"} <= set(named) and not {"quiet", "idle_gen"} & set(named), named
     assert "read it back" in named["numbered"] and "read it back" in named["first"]
     assert "append the lines to a list" in named["head"] and "stage_output" in named["head"]
     assert set(records[1].report["unmergeable"]) >= {"numbered", "first", "head"}
+    assert "lengths" in merged.attributes.assumed and "numbered" in merged.attributes.assumed["lengths"]
 
 
 def test_a_stream_closed_during_the_stage_is_named():

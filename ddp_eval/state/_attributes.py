@@ -92,6 +92,7 @@ from ddp_eval.state._values import (
     is_number,
     numpy,
     set_value,
+    top_label,
 )
 from ddp_eval.state._watches import (
     ArrayWatch,
@@ -135,11 +136,6 @@ def resolve(root: Any, path: str) -> Tuple[Any, str]:
         owner = child
         walked.append(part)
     return owner, name
-
-
-def top_label(label: str) -> str:
-    """The attribute a label belongs to (``d['a']`` and ``stats.count``: ``d``, ``stats``)."""
-    return label.split("[")[0].split(".")[0]
 
 
 class Slot:

@@ -108,6 +108,11 @@ class Change(NamedTuple):
     value: Any = None
 
 
+def top_label(label: str) -> str:
+    """The attribute a label belongs to (``d['a']`` and ``stats.count``: ``d``, ``stats``)."""
+    return label.split("[")[0].split(".")[0]
+
+
 def is_number(value: Any) -> bool:
     """int or float, not bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
