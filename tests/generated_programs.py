@@ -215,6 +215,7 @@ class Brain:
         self.made_multi = collections.defaultdict(functools.partial(MultiMetricStats, metric=_scores_by_key,
                                                                     batch_eval=True))  # per decoding method
         self.own = {}  # a metric object the recipe's own code makes in a batch
+        self.made_lists, self.made_by_setdefault = collections.defaultdict(list), {}  # containers made per key
         self.bleu = bleu_stats()()  # nested: targets, a list per reference set (bound: reads need no None check)
         self.bleu.targets = [[]]
         self.lazy_bleu = bleu_stats()()  # targets None: its append binds them, each rank's first batch too
@@ -251,6 +252,23 @@ def _call_method(kind, name, field=None, owner="m"):
         target = getattr(brain, _attribute(kind)) if field is None else getattr(holder, field)
         # x *= n with n a value (97 for a bytearray) three times a batch would grow it past any memory
         for args in ([(2,)] if name == "__imul__" else _arguments(kind, b)):
+            try:
+                getattr(target, name)(*args)
+                return
+            except TypeError:
+                continue
+            except _FAILS:
+                return
+    return run
+
+
+def _call_made(kind, name):
+    """``name`` called on a container made for a new key in that batch: a
+    ``defaultdict(list)``'s, or ``setdefault``'s default (a set, a dict)."""
+    def run(brain, b):
+        target = brain.made_lists[f"k{b % 2}"] if kind is list else brain.made_by_setdefault.setdefault(
+            f"{kind.__name__}{b % 2}", kind())
+        for args in _arguments(kind, b):
             try:
                 getattr(target, name)(*args)
                 return
@@ -700,6 +718,9 @@ def operations():
         for field in ("ids", "scores"):
             for name in container_methods(list):
                 ops[f"{prefix}.{field}.{name}"] = _call_method(list, name, field, owner)
+    for kind in (list, set, dict):  # the methods of a container made for a new key, in the batch that made it
+        for name in container_methods(kind):
+            ops[f"made {kind.__name__}.{name}"] = _call_made(kind, name)
     candidates = {f"Tensor.{name}": _tensor_method(name) for name in tensor_methods()}
     candidates.update({f"numpy.{name}(out=)": _ufunc(name) for name in numpy_ufuncs()})
     for label, op in candidates.items():

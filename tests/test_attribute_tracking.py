@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ddp_eval.config import DDPEvalConfig
+from ddp_eval.stage._verify import first_difference
 from ddp_eval.state._attributes import AttributeTracker
 from ddp_eval.state._numbers import is_probe
 from ddp_eval.state._values import ELSEWHERE, Kind
@@ -595,3 +596,87 @@ def test_a_list_of_tensors_travels_stacked_and_merges_to_one_process():
         assert [float(x) for x in holder.bins.scores] == [float(x) for x in single.bins.scores]
         assert all(type(x) is torch.Tensor and x.shape == () for x in holder.bins.scores)
         assert holder.bins.summarize() == single.bins.summarize()
+
+
+THREE_RANKS_EACH_MAKES = [[0, 3], [1, 4], [2, 5]]  # each rank makes each key's container anew
+
+
+def _two_zeros():
+    return torch.zeros(2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layout", [THREE_RANKS_EACH_MAKES, [[0, 1, 2, 3, 4], [5]], [[], [0, 1, 2, 3, 4, 5]]],
+                         ids=["3 ranks", "2 ranks", "one idle"])
+def test_containers_made_for_a_new_key_merge_exactly_when_only_grown(layout):
+    """Issue 37 (containers created inside a batch): lists, sets, Counters, tensors and
+    dicts a ``defaultdict`` or ``setdefault`` makes for a new key, then grows in that
+    batch, equal one process on every rank; a key made but left empty is every
+    rank's too; what the stage made is plain again after it."""
+    def make():
+        return types.SimpleNamespace(by=collections.defaultdict(list), sets=collections.defaultdict(set),
+                                     words=collections.defaultdict(collections.Counter), per_key={},
+                                     sums=collections.defaultdict(_two_zeros))
+
+    def batch(h, b):
+        key = f"k{b % 2}"
+        h.by[key].append(b * 0.25)
+        h.sets[key].add(b % 3)
+        h.words[key].update(["a", "b"][: b % 2 + 1])
+        h.sums[key] += b * 0.5
+        h.per_key.setdefault(key, []).extend([b, -b])
+        h.per_key.setdefault(f"empty{b % 2}", set())  # made, never grown
+        h.by[f"u{b}"].extend([b, b - 1])  # one key per utterance, sorted: made once in all, exact
+        h.by[f"u{b}"].sort()
+
+    single, holders, merged = simulate(make, batch, layout)
+    assert not merged.conflicts and not merged.assumed, (merged.conflicts, merged.assumed)
+    for holder in holders:
+        assert_same(single, holder)
+        for name in ("by", "sets", "words", "per_key"):
+            assert all(type(v) in (list, set, collections.Counter) for v in getattr(holder, name).values()), name
+        assert all(type(v) is torch.Tensor for v in holder.sums.values())
+
+
+@pytest.mark.parametrize("change", ["sort", "insert(0)", "trim", "hist[0] += 1", "max(get)", "discard", "mul_"])
+def test_a_container_made_anew_on_several_ranks_and_changed_otherwise_is_named(change):
+    """Issue 37: where each of three ranks makes a key's container anew and a batch
+    also sorts, inserts into, trims, sets by position, reads or scales it, in one
+    process that batch found the entries earlier batches made: the ranks' values
+    differ from one process, and each that does is named (merged as appended to,
+    unnamed, before)."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
+                                     lists=collections.defaultdict(list), by_setdefault={},
+                                     hist=collections.defaultdict(lambda: [0, 0]), best=collections.defaultdict(dict),
+                                     sets=collections.defaultdict(set), sums=collections.defaultdict(
+                                         lambda: torch.zeros(2, dtype=torch.float64)))
+
+    def batch(h, b):
+        key, score = b % 2, (0.3, 1.1, 0.7, 2.9, 0.2, 2.6)[b]
+        if change == "sort":
+            h.lists[key].append(score)
+            h.lists[key].sort()
+        elif change == "insert(0)":
+            h.by_setdefault.setdefault(key, []).insert(0, score)
+        elif change == "trim":
+            h.lists[key].append(score)
+            del h.lists[key][:-2]
+        elif change == "hist[0] += 1":
+            h.hist[key][0] += 1
+        elif change == "max(get)":
+            h.best[key]["max"] = max(h.best[key].get("max", 0.0), score)
+        elif change == "discard":
+            h.sets[key].add(b)
+            h.sets[key].discard(b - 2)
+        else:
+            h.sums[key].mul_(0.5).add_(score)
+
+    single = make()
+    for b in range(6):
+        batch(single, b)
+    holders, records, merged = simulate_stage(THREE_RANKS_EACH_MAKES, make, batch, DDPEvalConfig())
+    named = {label.split("[")[0] for label in (*merged.attributes.conflicts, *merged.attributes.assumed)} | {
+        label.split("[")[0] for record in records for label in record.report["unmergeable"]}
+    changed = {name for name in vars(single) if name != "_ddp_brain_attributes"
+               and any(first_difference(getattr(h, name), getattr(single, name), name) for h in holders)}
+    assert changed and changed <= named, (changed, named)  # each rank's own value, named

@@ -170,7 +170,7 @@ class Slot:
             self.original, self.recorded = self.start, recorded
             self.notes.copies[id(self.original)] = (self.original, self.recorded, label)
             self.original_mark = None if isinstance(self.recorded, RecordingIterator) else Fingerprint.of(
-                self.original, depth=1)  # changed through another reference?
+                _own_entries(self.original), depth=1)  # changed through another reference?
             self.recorded.label = top_label(label)
             self.start = self.recorded
             set_value(owner, name, self.recorded)
@@ -528,7 +528,7 @@ class Slot:
             self.fail(unmergeable_operations(self.recorded) or "")
             if self.why == "":
                 self.why = None
-            if self.original is not None and unexplained(self.original_mark, self.original):
+            if self.original is not None and unexplained(self.original_mark, _own_entries(self.original)):
                 self.fail("it was changed through another reference to the object it held at stage start (an "
                           "alias, e.g. in hparams), which ddp_eval does not watch; change it through the Brain "
                           "attribute only")
@@ -631,6 +631,21 @@ def _replay_is_cheap(value: Any, events: int) -> bool:
 
 _PROBED_ARRAYS = {torch.Tensor} | ({numpy.ndarray} if numpy is not None else set())
 _PROBED_CONTAINERS = _PROBED_ARRAYS | {list, tuple}
+
+
+def _own_entries(container: Any) -> Any:
+    """What a change of a container held at stage start through another reference
+    would change: its entries, a tensor or array among them by identity (the recording
+    copy holds the same one, changed in place under its own watch: ``d[k] += x``)."""
+    if not isinstance(container, (list, dict, collections.deque)) or not any(
+            isinstance(x, torch.Tensor) or is_array(x) for x in (
+                dict.values(container) if isinstance(container, dict) else container)):
+        return container  # (an iterator's original is not iterated)
+    def own(x: Any) -> Any:
+        return f"shared {id(x)}" if isinstance(x, torch.Tensor) or is_array(x) else x
+    if isinstance(container, dict):
+        return {key: own(x) for key, x in dict.items(container)}
+    return [own(x) for x in container]
 
 
 def _unreadable(value: Any) -> bool:

@@ -14,8 +14,8 @@ import torch
 from speechbrain.utils.metric_stats import MultiMetricStats
 
 from ddp_eval.state._numbers import PROBED_TYPES, _Probe, origin_of, plain, probe
-from ddp_eval.state._rebuilt import add, concat, subtract
-from ddp_eval.state._recording import QUIET, BatchNotes, announcing_copy, is_recording, listening_copy
+from ddp_eval.state._rebuilt import add, concat, make_probe, subtract
+from ddp_eval.state._recording import QUIET, BatchNotes, announcing_copy, is_recording, listening_copy, made_copy
 from ddp_eval.state._values import ABSENT, Op, is_array, is_flat_list, is_metric_object, numpy
 
 _APPLY = {Op.ADD: add, Op.SUBTRACT: subtract, Op.CONCAT: concat}
@@ -116,7 +116,13 @@ class Factory:
     def __call__(self):
         value = self.original()
         root = probe(value) if type(value) in PROBED_TYPES else None
-        handed = value if root is None else root
+        handed = made_copy(value, self.notes) if root is None else root  # a list: its sort, insert seen
+        if (isinstance(value, torch.Tensor) or is_array(value)) and self.notes.listening:  # its mul_(), reads seen
+            handed = make_probe(value, self.notes)
+            if handed is None:
+                handed = value
+            else:
+                handed._ddp_record.made = True
         fields = {}
         own = getattr(handed, "__dict__", None) if root is None else None
         if isinstance(own, dict):  # an object (a dataclass, a metric object): its numbers probed from the start

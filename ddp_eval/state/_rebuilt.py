@@ -113,7 +113,7 @@ class _Record:
     cannot replay as increments (``writes``)."""
 
     __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered", "index_reads",
-                 "index_sets", "notes", "shape_read", "label")
+                 "index_sets", "notes", "shape_read", "label", "made")
 
     def __init__(self, root: Any, notes: Any = None) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
@@ -124,6 +124,7 @@ class _Record:
         self.aliased = False  # .data was read: a change through it moves no _version
         self.shape_read = False  # its length was read (len(x), x.shape): see _SHAPE_READS
         self.label = ""  # the watched value's
+        self.made = False  # a defaultdict's factory made it for a new key during the batch
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         root = self.root

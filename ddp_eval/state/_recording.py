@@ -87,7 +87,7 @@ class BatchNotes:
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
     __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "operands", "absent",
-                 "shape", "copies", "shared", "rebound_places")
+                 "shape", "copies", "shared", "rebound_places", "made")
 
     def __init__(self) -> None:
         self.listening = False
@@ -103,6 +103,7 @@ class BatchNotes:
         self.copies: dict = {}  # id(container held at stage start) -> (container, its recording copy, label)
         self.shared: dict = {}  # id(recording copy) -> labels of the other places holding it (no probe stands in)
         self.rebound_places: dict = {}  # label of a shared container -> every place that held it (one was bound anew)
+        self.made: dict = {}  # label of a dict entry a batch made a container for -> what else it did to it, each time
 
     def rebound(self, copy: Any, primary: str) -> None:
         """A place that held ``copy`` (the recording copy of ``primary``'s container) with
@@ -166,7 +167,8 @@ def _noting(kind: type, name: str):
             self.index_sets.add(_index_key(args[0]))
         if self._notes.listening and self._depth == 0:  # items.append(self.n): the plain number, n read whole
             found: List[str] = []
-            args = tuple(arg if _own_probe(self, arg) else unprobed(arg, found, depth=1) for arg in args)
+            args = tuple(arg if _own_probe(self, arg) or _made_now(arg) else unprobed(arg, found, depth=1)
+                         for arg in args)
             if found:
                 self._notes.copied(found)
         self._depth += 1
@@ -183,10 +185,26 @@ def _noting(kind: type, name: str):
     return noted
 
 
+def _made_now(value: Any) -> bool:
+    """A container made for a dict's new key (d.setdefault(k, []), a factory's), on its way in: empty, no read."""
+    return (isinstance(value, _Recording) and value.made) or getattr(getattr(value, "_ddp_record", None), "made", False)
+
+
 def _own_probe(recorded: Any, value: Any) -> bool:
-    """Whether ``value`` is the probe of one of ``recorded``'s own entries (``d[k] += 1``
-    sets it back: the entry's slot follows it)."""
-    return is_probe(value) and value._origin._label.split("[")[0] == recorded.label.split("[")[0]
+    """Whether ``value`` is the probe of one of ``recorded``'s own entries, or a tensor's
+    or array's probe's result (``d[k] += 1``, ``d[k] += x`` set it back: the entry's slot
+    follows it)."""
+    if is_probe(value):
+        label = value._origin._label
+    elif type(value).__name__ not in _PROBE_CLASSES:
+        return False
+    else:
+        record = getattr(value, "_ddp_record", None)
+        label = getattr(getattr(record, "record", record), "label", "")
+    return bool(label) and label.split("[")[0] == recorded.label.split("[")[0]
+
+
+_PROBE_CLASSES = ("TensorProbe", "ArrayProbe")  # ddp_eval.state._rebuilt's (which imports this module)
 
 
 class _Recording:
@@ -202,6 +220,7 @@ class _Recording:
     start_length = 0  # a list's length when the copy was made (entries from there on were appended by batches)
     steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
+    made = False  # made by a batch as a dict's new entry (made_copy)
 
     def __reduce_ex__(self, protocol):  # pickles, copies and saves as the plain container
         plain = _rebuild(self._kind, _contents(self), _extra(self))
@@ -259,6 +278,7 @@ def _handing_probe(method):
                 default = probe(default)
                 self.handed[id(default)] = default
             elif type(default) in (list, dict, set) and not default:  # setdefault(k, []).append(x)
+                default = made_copy(default, self._notes) if method.__name__ == "setdefault" else default
                 self.handed[id(default)] = default
         elif method.__name__ == "get":
             _note_entry(self, key, dict.__getitem__(self, key))
@@ -490,19 +510,67 @@ def recording_copy(value: Any, notes: Optional[BatchNotes] = None) -> Optional[A
             notes.created.append(RecordingIterator(value, notes))
             return notes.created[-1]
         return None
-    builtin = _builtin(type(value))
+    copy = _new_copy(cls, value, notes)
+    copy.start_length = len(value) if _builtin(type(value)) is list else 0
+    notes.created.append(copy)
+    return copy
+
+
+def _new_copy(cls: type, value: Any, notes: BatchNotes) -> Any:
     if type(value) is collections.defaultdict:
         copy = cls(value.default_factory)
-    elif builtin is collections.deque:
+    elif _builtin(type(value)) is collections.deque:
         copy = cls((), value.maxlen)
         copy._grows = frozenset() if value.maxlen is not None else copy._grows  # appends drop entries: named
     else:
         copy = cls()
     copy.ops, copy.handed, copy.built, copy._notes = [], {}, [], notes
     _fill(copy, value, type(value))
-    copy.start_length = len(value) if builtin is list else 0
-    notes.created.append(copy)
     return copy
+
+
+def made_copy(value: Any, notes: BatchNotes) -> Any:
+    """``value``, a container a batch makes as a dict's new entry (a ``defaultdict``'s
+    factory's, ``setdefault``'s default), as a recording copy listening at once, so that
+    what the batch does to it is known (:func:`made_otherwise_than_grown`); ``value``
+    itself where no copy is made. The dict's watch puts the plain container back after
+    the batch (:func:`plain_made`)."""
+    cls = _CLASSES.get(type(value))
+    if cls is None or not ENABLED or not notes.listening:
+        return value
+    copy = _new_copy(cls, value, notes)  # quiet while filled (a Counter's update reads itself)
+    copy.__class__ = cls._listening
+    copy.made = True  # every entry, and every position, is the batch's (start_length 0)
+    return copy
+
+
+def _plain_entry(value: Any, depth: int) -> Any:
+    """An entry of a made container: a default it handed out (``c[w] = c.get(w, 0) + 1``
+    in a Counter's update) as the plain number, made containers plain."""
+    return plain_made(unprobed(value, [], depth=1, handed=True), depth - 1)
+
+
+def made_otherwise_than_grown(made: Any) -> Optional[str]:
+    """What a batch did to a container it made (:func:`made_copy`) besides growing it
+    (appends, new keys, additions), or read of it; None if nothing. In one process an
+    earlier batch may have made that entry already: what such a call or read did there
+    differs."""
+    if made.ops or made.raised:
+        return ", ".join(f"{name}()" for name in made.ops) or made.raised
+    if made._whole or made.steered or made.absent or (made._indexed and read_by_index(made)) or any(
+            getattr(default, "_used", False) for default in made.handed.values()):  # max(d.get(k, 0), x)
+        return "a read of what it held"
+    return None
+
+
+def plain_made(value: Any, depth: int = 3) -> Any:
+    """``value`` with every container :func:`made_copy` made (itself, or in its
+    entries, ``depth`` levels down) replaced by the plain container."""
+    if depth and isinstance(value, _Recording) and getattr(value, "made", False):
+        contents = [(k, _plain_entry(v, depth)) for k, v in dict.items(value)] if isinstance(value, dict) else [
+            _plain_entry(v, depth) for v in _builtin(value._kind).__iter__(value)]
+        return _rebuild(value._kind, contents, _extra(value))
+    return value
 
 
 def listening_copy(value: list, label: str, notes: BatchNotes = QUIET) -> Any:

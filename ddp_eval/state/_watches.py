@@ -32,7 +32,7 @@ import logging
 import operator
 import types
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +42,8 @@ from ddp_eval.state._explain import Fingerprint, captured_state, of_a_framework,
 from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain, unprobed
 from ddp_eval.state._order import as_chunks, growth_since, packed
 from ddp_eval.state._probes import Factory
+from ddp_eval.state._rebuilt import in_place_writes, plain_value, read_from
+from ddp_eval.state._recording import made_otherwise_than_grown, plain_made
 from ddp_eval.state._values import (
     ABSENT,
     MAX_DEPTH,
@@ -399,6 +401,11 @@ class DictWatch(Watch):
             self.entries[key].before_batch()
 
     def release(self) -> None:
+        for key, held in list(dict.items(self.obj)):  # a container made this batch, where no look took it back
+            if _recording.is_recording(held) and held.made:
+                dict.__setitem__(self.obj, key, plain_made(held))
+            elif getattr(getattr(held, "_ddp_record", None), "made", False):
+                dict.__setitem__(self.obj, key, plain_value(held))
         if self.factory is not None:
             self.factory.unprobe()
         if self.factory is not None and self.obj.default_factory is self.factory:
@@ -416,19 +423,39 @@ class DictWatch(Watch):
             new = list(itertools.islice(reversed(value), len(value) - self.length))[::-1]
             self.length = len(value)
             self.added.extend((batch, self.length))
-            for key in new[: max(self.room - len(self.entries), 0)]:
+            room = max(self.room - len(self.entries), 0)
+            for index, key in enumerate(new):
+                held = dict.__getitem__(value, key)
+                kept, did = self._plain_made(held)  # a container made for it this batch: the plain one back
+                if kept is not held:
+                    dict.__setitem__(value, key, kept)
+                if index >= room:
+                    continue
                 self.idle = None
                 entry = self.entries[key] = _entry(self, key, ABSENT)
                 entry.hot = self.length - self.start_len <= EAGER_NEW_KEYS  # few new keys: counters, stats
-                made = self._made(value[key])
+                made = self._made(held)
+                if did is not None:
+                    self.slot.notes.made.setdefault(entry.label, []).append(did)
                 if made is not None:
-                    entry.adopt(batch, value[key], *made, factory=self.factory)
+                    entry.adopt(batch, kept, kept if made[0] is held else made[0], made[1], factory=self.factory)
                     adopted.add(key)
             changed = True
         changed = _look_at_entries(self, batch, value, adopted) or changed
         if changed:
             self.last_change = batch
         return changed
+
+    def _plain_made(self, held: Any) -> Tuple[Any, Optional[str]]:
+        """``(held, None)``, or for a container, tensor or array made for a new key this
+        batch (setdefault's default, the factory's) its plain value and what the batch
+        did to it besides growing it ("": nothing)."""
+        if _recording.is_recording(held) and held.made:
+            return plain_made(held), made_otherwise_than_grown(held) or ""
+        if self.factory is not None and hasattr(type(held), "_ddp_plain") and id(held) in self.factory.made:
+            did = ", ".join(in_place_writes(held)) or ("a read of what it held" if read_from(held, False) else "")
+            return plain_value(held), did
+        return held, None
 
     def _made(self, value: Any) -> Any:
         """``(initial value, ops)`` of a new entry its defaultdict's factory made, or
@@ -470,7 +497,7 @@ class DictWatch(Watch):
             change = entry.change(positions, from_batch, piece)
             if change is not None:
                 entries[key] = change
-        taken = {key: plain(self.obj[key]) for key in keys if key not in self.entries}
+        taken = {key: plain(self.obj[key]) for key in keys if key not in entries}  # set once, or made empty
         replaced = {} if piece else self._replaced()
         if not (keys or entries or replaced):
             return None
@@ -553,11 +580,19 @@ class SetWatch(Watch):
         super().__init__(slot, obj)
         self.length = 0 if created_at is not None else len(obj)
         self.start = set() if created_at is not None else set(obj)  # elements, not a copy of what they hold
+        # made during the stage, it has no recording copy: its elements, to see one removed (O(len) a batch)
+        self.elements = set(obj) if created_at is not None else None
         if created_at is not None and obj:
             self.last_change = created_at
 
     def observe(self, batch: int, value: Any) -> bool:
-        if len(value) == self.length:
+        if self.elements is not None and self.slot.why is None:
+            if set.__eq__(self.elements, value):
+                return False
+            if not self.elements <= value:
+                self.slot.fail("elements were removed from the set")
+            self.elements = set(value)
+        elif len(value) == self.length:
             return False
         if len(value) < self.length:
             self.slot.fail("elements were removed from the set")
@@ -923,7 +958,7 @@ def make_watch(slot: Any, obj: Any, created_at: Optional[int] = None, bound: boo
         return ListWatch(slot, obj, created_at)
     if isinstance(obj, dict):
         return DictWatch(slot, obj, created_at)
-    if isinstance(obj, set) and created_at is None:
+    if isinstance(obj, set):
         return SetWatch(slot, obj, created_at)
     if isinstance(obj, torch.Tensor):
         return TensorWatch(slot, obj, created_at)

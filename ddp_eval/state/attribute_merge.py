@@ -234,8 +234,12 @@ def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResu
     entry_changes = {key for data in per_contribution for key in data["entries"]}
     taken: Dict[Any, Any] = {}
     setters: Dict[Any, int] = {}
+    made_empty = {}  # a key's container made and left empty (d.setdefault(k, set())): where nothing else sets it
     for index, data in enumerate(per_contribution):
         for key, value in list(data["taken"].items()) + list(data["replaced"].items()):
+            if key in data["taken"] and type(value) in (list, dict, set) and not value:
+                made_empty.setdefault(key, value)
+                continue
             if key in setters or key in entry_changes:
                 result.conflicts[f"{label}[{key!r}]"] = (
                     f"set by batches of contributions {setters.get(key, 0)} and "
@@ -243,6 +247,9 @@ def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResu
                     "each of; expected each key set once per stage (e.g. one per utterance id)")
                 continue
             setters[key], taken[key] = index, value
+    for key, value in made_empty.items():
+        if key not in taken and key not in entry_changes:
+            taken[key] = value
     return order, entries, taken
 
 

@@ -96,6 +96,7 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
     conflict, left rank-local), never merged. What such a read may have steered
     otherwise is named too (:func:`_name_what_a_steering_read_may_have_left_undone`)."""
     _name_places_bound_apart(result, reports)  # first: a read of what it names may have steered
+    _name_entries_made_apart(result, reports)
     changed = {top_label(label) for label in (*result.merged, *result.conflicts)}
     changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())} | set(grown)
     for rank, report in enumerate(reports):
@@ -110,6 +111,29 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
                 "on each rank it is computed from that rank's batches only; compute it in on_stage_end from the "
                 "merged values")
     _name_what_a_steering_read_may_have_left_undone(result, reports, changed)
+
+
+def _name_entries_made_apart(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> None:
+    """A dict entry that batches on several ranks (or journal pieces) each made a
+    container for (``d.setdefault(k, [])``, a ``defaultdict``'s factory) merges as if
+    the later batches had found the earlier one's: exact where each batch only grew
+    it. Where a batch also sorted, inserted into, set by position or read it, in one
+    process it did so to every earlier batch's entries: the entry is named."""
+    made: Dict[str, List[str]] = {}
+    for report in reports:
+        for label, did in report.get("made", {}).items():
+            made.setdefault(label, []).extend(did)
+    for label, did in made.items():
+        other = sorted({what for what in did if what})
+        if len(did) < 2 or not other:
+            continue
+        for key in [k for k in result.merged if k == label or k.startswith((label + "[", label + "."))]:
+            del result.merged[key]
+        result.conflicts.setdefault(label, (
+            f"batches on {len(did)} ranks each made it anew (setdefault, a defaultdict's factory) and one also did "
+            f"{', '.join(other)} to it: in one process that batch found the entry an earlier batch made, with its "
+            "entries; only append to (or add to) a container made this way, and sort, trim or read it in "
+            "on_stage_end"))
 
 
 def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> None:
@@ -214,6 +238,8 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for key in ("whole_reads", "absent_reads", "shape_reads", "shared_changed"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
+        merged["made"] = {label: [*merged.get("made", {}).get(label, ()), *piece.get("made", {}).get(label, ())]
+                          for label in {*merged.get("made", {}), *piece.get("made", {})}}
         merged["watched"] = sorted(set(merged["watched"]) | set(piece.get("watched", ())))
     return merged
 
@@ -348,6 +374,7 @@ class StageBook:
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
                 "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
+                "made": {label: list(did) for label, did in self.attributes.notes.made.items()},
                 "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
                     self.metrics.objects))}
 
