@@ -404,6 +404,12 @@ def _fixed():
         "first[i] = b": lambda h, b: h.first.__setitem__(b % 3, b),  # i from the start: another entry in one process
         "if x is None: x = []; x.append": lambda h, b: (setattr(h, "made_over_none", []) if h.made_over_none is None
                                                         else None, h.made_over_none.append(b)),
+        "if x is None: x = []; if len(x) < 2: x.append": lambda h, b: (
+            setattr(h, "made_over_none", []) if h.made_over_none is None else None,
+            h.made_over_none.append(b) if len(h.made_over_none) < 2 else None),
+        "if x is None: x = []; if k not in x: x.append": lambda h, b: (
+            setattr(h, "made_over_none", []) if h.made_over_none is None else None,
+            h.made_over_none.append(b % 3) if b % 3 not in h.made_over_none else None),
         "stream.write": lambda h, b: h.log.write(f"u{b} {value(b)}\n"),
         "stream print(file=)": lambda h, b: print(f"u{b}", file=h.log),
         "stream bytes write": lambda h, b: h.blob_log.write(bytes([65 + b])),

@@ -680,3 +680,38 @@ def test_a_container_made_anew_on_several_ranks_and_changed_otherwise_is_named(c
     changed = {name for name in vars(single) if name != "_ddp_brain_attributes"
                and any(first_difference(getattr(h, name), getattr(single, name), name) for h in holders)}
     assert changed and changed <= named, (changed, named)  # each rank's own value, named
+
+
+@pytest.mark.parametrize("read", ["len < 2", "in", "[-1]", "pop(k, None)"])
+def test_a_container_made_over_none_is_watched_as_one_held_at_stage_start(read):
+    """Issue 37 (a lazy None accumulator): ``if self.x is None: self.x = []`` made in a
+    batch gets a recording copy from the next batch on, so a read of what batches
+    added that steers a later batch is named at 2 and 3 ranks (merged as appended
+    before); the list beside it, only grown, equals one process, plain after the stage."""
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), x=None, grown=None)
+
+    def batch(h, b):
+        if h.x is None:
+            h.x, h.grown = ({} if read == "pop(k, None)" else []), []
+        h.grown.append(b)
+        if read == "len < 2" and len(h.x) < 2:
+            h.x.append(b)
+        elif read == "in" and b % 3 not in h.x:
+            h.x.append(b % 3)
+        elif read == "[-1]":
+            h.x.append(b + (h.x[-1] if h.x else 0))
+        elif read == "pop(k, None)":
+            h.x[b] = b
+            h.x.pop(b - 1, None)
+
+    single = make()
+    for b in range(6):
+        batch(single, b)
+    for layout in ([[0, 2, 4], [1, 3, 5]], [[0, 3], [1, 4], [2, 5]]):
+        holders, records, merged = simulate_stage(layout, make, batch, DDPEvalConfig())
+        named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
+            label for record in records for label in record.report["unmergeable"]}
+        assert "x" in named, named  # (and, as what such a read may steer, the rest as assumed)
+        for holder in holders:
+            assert holder.grown == single.grown and type(holder.grown) is list and type(holder.x) is type(single.x)

@@ -480,7 +480,27 @@ class Slot:
         self.assigned_at, self.obj = batch, value
         # created where there was none: its later growth may merge; bound anew: only its last value
         self.watch = make_watch(self, value, created_at=batch if self.created else None, bound=not self.created)
+        if self.created and self.recorded is None and _recording.recordable(value):
+            self.notes.bound_new.append(self)  # a recording copy from the next batch on (record_from_now)
         return True
+
+    def record_from_now(self) -> None:
+        """A container a batch created where there was none (``if self.x is None: self.x
+        = []``): a recording copy stands in for it from the next batch on, as for one
+        held at stage start, so that reads of what batches added (``len``, ``in``,
+        ``x[-1]``) and changes other than growth are seen."""
+        value = self.obj
+        recorded = recording_copy(value, self.notes)
+        if recorded is None or get_value(self.owner, self.name) is not value:
+            return
+        self.watch.release()  # a defaultdict's factory back, for the copy's own watch
+        self.original, self.recorded = value, recorded
+        self.notes.copies[id(value)] = (value, recorded, self.label)
+        self.original_mark = Fingerprint.of(_own_entries(value), depth=1)
+        recorded.label = top_label(self.label)
+        set_value(self.owner, self.name, recorded)
+        self.obj = recorded
+        self.watch = make_watch(self, recorded, created_at=self.assigned_at)
 
     def _read_in_batch(self) -> bool:
         """Whether the batch under way read the value this slot holds, or one of its
@@ -698,7 +718,7 @@ class AttributeTracker:
         self._piece_from = 0  # where the next journal piece starts
         self.tracks: Dict[str, Slot] = {label: Slot(label, owner, name, self.budget, notes=self.notes)
                                         for label, (owner, name) in targets.items()}
-        self._copies = list(self.notes.created)  # the recording copies its slots made (all, at stage start)
+        self._copies = self.notes.created  # the recording copies its slots made (at stage start, and since)
         self.read_then_set: Dict[str, set] = {}  # label set by a batch -> labels that batch read
         self.whole_reads: set = set()  # labels batches read whole: what a read steered may be a change not made
         # labels a batch found a key absent in, then maybe set it (if k not in d: self.n += 1; d[k] = 1): if the
@@ -768,7 +788,19 @@ class AttributeTracker:
         self.absent_reads |= self.notes.absent
         self.shape_reads |= self.notes.shape
         self._added = []
+        self._record_created()
         self.batches += 1
+
+    def _record_created(self) -> None:
+        """Containers batches created where there was none get recording copies
+        (:meth:`Slot.record_from_now`), but one another watched place holds too."""
+        created, self.notes.bound_new = self.notes.bound_new, []
+        if not created:
+            return
+        held = collections.Counter(id(slot.obj) for slot in self.tracks.values())
+        for slot in created:
+            if held[id(slot.obj)] == 1 and id(slot.obj) not in self.notes.copies:
+                slot.record_from_now()
 
     def finish(self, positions: Sequence[int]) -> Tuple[Dict[str, Change], Dict[str, str]]:
         """``(changes, unmergeable)`` at stage end; ``positions`` are the global

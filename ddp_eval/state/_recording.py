@@ -87,7 +87,7 @@ class BatchNotes:
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
     __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "operands", "absent",
-                 "shape", "copies", "shared", "rebound_places", "made")
+                 "shape", "copies", "shared", "rebound_places", "made", "bound_new")
 
     def __init__(self) -> None:
         self.listening = False
@@ -104,6 +104,7 @@ class BatchNotes:
         self.shared: dict = {}  # id(recording copy) -> labels of the other places holding it (no probe stands in)
         self.rebound_places: dict = {}  # label of a shared container -> every place that held it (one was bound anew)
         self.made: dict = {}  # label of a dict entry a batch made a container for -> what else it did to it, each time
+        self.bound_new: list = []  # slots a batch bound a new container to, where there was none
 
     def rebound(self, copy: Any, primary: str) -> None:
         """A place that held ``copy`` (the recording copy of ``primary``'s container) with
