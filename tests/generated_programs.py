@@ -204,6 +204,7 @@ class Brain:
         self.called, self.count = CalledTotal(), closure_counter()  # functions that keep state between batches
         self.keep = functools.partial(list.append, [])
         self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
+        self.pair = (0, 0.0)  # a tuple of numbers, rebound by batches: (count, total), (score, batch)
         for attribute, (start_value, _) in UNREADABLE.items():  # rebound from their previous value
             setattr(self, attribute, start_value)
         self.frozen_tally = FrozenTally()
@@ -474,6 +475,14 @@ def _fixed():
         "d[k] = n": lambda h, b: h.c_dict.__setitem__("snap", h.n),
         "x = [n, text]": lambda h, b: setattr(h, "derived", [h.n, h.text]),
         "x = (x,)": lambda h, b: setattr(h, "derived", (h.x,)),
+        "pair = (pair[0] + 1, pair[1] + v)": lambda h, b: setattr(h, "pair", (h.pair[0] + 1, h.pair[1] + value(b))),
+        "pair = min(pair, (b, v))": lambda h, b: setattr(h, "pair", min(h.pair, (b % 3, value(b)))),
+        "pair = (b, v) if v > pair[1] else pair": lambda h, b: setattr(
+            h, "pair", (b, value(b)) if value(b) > h.pair[1] + 0.2 else h.pair),
+        "n, t = pair; pair = (n + 1, t)": lambda h, b: setattr(h, "pair", (lambda n, t: (n + 1, t))(*h.pair)),
+        "pair = (b, v)": lambda h, b: setattr(h, "pair", (b, value(b))),
+        "pair += (b,)": lambda h, b: setattr(h, "pair", h.pair + (b,)),
+        "if len(pair) < 4: first.append": lambda h, b: h.first.append(b) if len(h.pair) < 4 else None,
         "list.append(n)": lambda h, b: h.c_list.append(h.n),
         "list.append(text)": lambda h, b: h.c_list.append(h.text),
         "namespace.t = x": lambda h, b: setattr(h.ns, "t", h.x),

@@ -715,3 +715,34 @@ def test_a_container_made_over_none_is_watched_as_one_held_at_stage_start(read):
         assert "x" in named, named  # (and, as what such a read may steer, the rest as assumed)
         for holder in holders:
             assert holder.grown == single.grown and type(holder.grown) is list and type(holder.x) is type(single.x)
+
+
+def test_a_tuple_of_numbers_rebuilt_from_its_previous_value_is_named_and_min_stays_exact():
+    """A tuple attribute (``self.pair = (self.pair[0] + 1, self.pair[1] + x)``, ``self.best =
+    (s, i) if s > self.best[0] else self.best``) was merged as the last batch's tuple: its
+    reads are now seen (a probe stands in for it), replayed at the merge on one process's
+    value, and it is named where they answer otherwise (``min(low, (s, i))`` too, as
+    for a number); a tuple set anew each batch equals one process."""
+    scores = (0.3, 1.1, 0.7, 2.9, 0.2, 2.6)
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), pair=(0, 0.0),
+                                     best=(0.0, -1), low=(9.0, -1), last=(-1, ""))
+
+    def batch(h, b):
+        h.pair = (h.pair[0] + 1, h.pair[1] + scores[b])
+        h.best = (scores[b], b) if scores[b] > h.best[0] else h.best
+        h.low = min(h.low, (scores[b], b))
+        h.last = (b, f"u{b}")
+
+    single = make()
+    for b in range(6):
+        batch(single, b)
+    for layout in ([[0, 2, 4], [1, 3, 5]], [[0, 3], [1, 4], [2, 5]], [[0, 1, 2, 3, 4], [5]]):
+        holders, records, merged = simulate_stage(layout, make, batch, DDPEvalConfig())
+        named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
+            label for record in records for label in record.report["unmergeable"]}
+        assert {"pair", "best"} <= named, named  # their reads give other answers on one process's value
+        for holder in holders:
+            assert (holder.low == single.low or "low" in named) and holder.last == single.last
+            assert type(holder.low) is tuple and type(holder.pair) is tuple

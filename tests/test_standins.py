@@ -38,7 +38,7 @@ def two_scores(predictions, targets):
 class Brain:
     def __init__(self):
         self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", "seen"})
-        self.n, self.x, self.text, self.blob = 0, 0.0, "", b""
+        self.n, self.x, self.text, self.blob, self.pair = 0, 0.0, "", b"", (0, "u")
         self.items, self.empty, self.table, self.labels = [0.5], [], {"a": 1}, {1}
         self.recent, self.counts, self.ordered = collections.deque([1], maxlen=3), collections.Counter(a=1), \
             collections.OrderedDict(a=1)
@@ -109,6 +109,7 @@ def batch(brain, b):
     brain.n += 1
     brain.x += 0.5
     brain.text += f"{b};"
+    brain.pair += (b,)
     brain.items.append(b)
     brain.by_stage["v"].append(-b)  # the same list, through another place
     brain.table[f"k{b}"] = b

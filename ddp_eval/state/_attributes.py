@@ -56,7 +56,7 @@ import torch
 from ddp_eval.errors import ConfigError
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probe, read_changes, unprobed
+from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probe, probed, read_changes, unprobed
 from ddp_eval.state._probes import UNSET, replay, replays_to
 from ddp_eval.state._rebuilt import (
     extends,
@@ -217,7 +217,7 @@ class Slot:
         a tensor or an array); otherwise its identity tells whether a batch changed it."""
         if self.why is not None:  # named, left rank-local: a batch that reads it still reads a rank's value
             return type(self.obj) in PROBED_TYPES or type(self.obj) in _PROBED_ARRAYS
-        return ((self.hot and type(self.obj) in PROBED_TYPES) or is_mutable(self.obj)
+        return ((self.hot and probed(self.obj)) or is_mutable(self.obj)
                                      or isinstance(self.watch, (ObjectWatch, StreamWatch))
                                      or (type(self.obj) is tuple and not self.obj))  # an empty tuple's probe
 
@@ -232,7 +232,7 @@ class Slot:
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
-        if type(self.obj) in PROBED_TYPES and self.hot:
+        if probed(self.obj) and self.hot:
             self.probe = probe(self.obj, self.label)
             set_value(self.owner, self.name, self.probe)
         else:
@@ -279,7 +279,7 @@ class Slot:
         what, data = read_changes(self.probe, value)
         if what == "derived" and self._replayed_reads_only(value):  # x = max(x, v): a set, its reads replayed
             what = "set"
-        if self.probe._compared and type(self.obj) in PROBED_TYPES and _recording.ENABLED:  # x < k, s.endswith(t)
+        if self.probe._compared and probed(self.obj) and _recording.ENABLED:  # x < k, s.endswith(t)
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
             self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
             self.compared = True
@@ -300,10 +300,10 @@ class Slot:
         if what == "derived":  # named below: what the batch left is this rank's value from here on
             self.obj = plain(value) if is_probe(value) else value
             set_value(self.owner, self.name, self.obj)
-        if what == "derived" and isinstance(value, (str, bytes)):
+        if what == "derived" and isinstance(value, (str, bytes, tuple)):
             self.fail(f"a batch computed a new {type(value).__name__} from the previous one by more than appending "
-                      "to it (s += x), so ddp_eval cannot replay it in one process's order; append only, or "
-                      "compute it in on_stage_end")
+                      "to it (x += y) or keeping the smaller or larger (min, max), so ddp_eval cannot replay it in "
+                      "one process's order; append only, or compute it in on_stage_end")
             return True
         if what == "derived":
             became = "" if is_number(value) else f" (it became a {type(value).__name__}: start it as one)"
@@ -328,7 +328,7 @@ class Slot:
         the new value is one process's, as for ``=``; if not, the merge names it."""
         reads = self.probe._compared
         return (_recording.ENABLED and bool(reads) and None not in reads and not self.probe._read
-                and is_number(self.obj) and is_number(value))
+                and ((is_number(self.obj) and is_number(value)) or (type(self.obj) is tuple and probed(value))))
 
     def _observe_rebuilt(self, batch: int, value: Any) -> Tuple[Optional[bool], Any]:
         """What a batch did to a tensor or array, from its probe: ``(changed, value)``
@@ -433,6 +433,11 @@ class Slot:
             self.fail(f"a batch bound a new {type(value).__name__} after reading the previous one (x = f(x)), "
                       "which ddp_eval cannot tell from a value set anew; change it in place (+=, append, add), "
                       "declare its merge (ddp_eval: merge), or compute it in on_stage_end")
+            return True
+        if isinstance(self.obj, tuple) and type(self.obj) is not tuple:  # t = t._replace(n=t.n + 1)
+            self.fail(f"a batch bound a new {type(value).__name__} over a {type(self.obj).__name__} (a tuple "
+                      "subclass, whose field reads ddp_eval cannot see), so it cannot tell x = f(x) from a value "
+                      "set anew; keep it in a dataclass or a plain tuple, or set it in on_stage_end")
             return True
         if _unreadable(self.obj):  # f = f or x, t = t + Fraction(1, 3): no probe sees their reads
             self.fail(f"a batch bound a new {type(value).__name__} over a {type(self.obj).__name__}, whose reads "

@@ -76,13 +76,13 @@ class _Probe:
 
     def __add__(self, other):
         other = self._plain_operand(other)
-        if isinstance(self, (str, bytes)):  # s += line: concatenation, replayed in global batch order
+        if isinstance(self, (str, bytes, tuple)):  # s += line: concatenation, replayed in global batch order
             return self._derive(Op.CONCAT, other, _value(self) + other)
         return self._derive(Op.ADD, other, _value(self) + other)
 
     def __radd__(self, other):  # other + n: the same sum (addition commutes in IEEE 754)
         other = self._plain_operand(other)
-        if isinstance(self, (str, bytes)):  # prefix + s: not replayed
+        if isinstance(self, (str, bytes, tuple)):  # prefix + s: not replayed
             self._origin._used = True
             return other + _value(self)
         return self._derive(Op.ADD, other, other + _value(self))
@@ -109,7 +109,12 @@ class _Probe:
 _COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__")
 
 
-_REPLAYABLE = (int, float, bool, str, type(None))
+_REPLAYABLE = (int, float, bool, str, type(None), slice)
+
+
+def _replayable(value: Any) -> bool:
+    """Whether a read's operand is a plain value the merge can replay it with."""
+    return type(value) in _REPLAYABLE or (type(value) is tuple and all(map(_replayable, value)))
 
 
 def _used(name: str):
@@ -125,7 +130,7 @@ def _used(name: str):
         origin = self._origin
         origin._used = True
         result = _outcome(getattr(_base(self), name), self, args)
-        replayable = self is origin and all(type(a) in _REPLAYABLE for a in args)
+        replayable = self is origin and all(map(_replayable, args))
         if not (replayable or comparison):
             origin._read = True
         if not origin._compared:
@@ -133,7 +138,7 @@ def _used(name: str):
         origin._compared.append((name, tuple(plain(a) for a in args), result) if replayable else None)
         if isinstance(result, _Raised):  # text[5] on a rank's shorter text: a read too
             raise result.error
-        return result
+        return iter(result) if name == "__iter__" else result
     method.__name__ = name
     return method
 
@@ -177,7 +182,8 @@ class _Raised:
 
 def _outcome(method: Any, value: Any, args: tuple) -> Any:
     try:
-        return method(value, *args)
+        result = method(value, *args)
+        return tuple(result) if method.__name__ == "__iter__" else result  # for x in t: what it gives
     except Exception as error:
         return _Raised(error)
 
@@ -229,17 +235,26 @@ def _probe_class(base: type) -> type:
     return type(f"{base.__name__.capitalize()}Probe", (_Probe, base), namespace)
 
 
-IntProbe, FloatProbe, StrProbe, BytesProbe = (_probe_class(kind) for kind in PROBED_TYPES)
-_CLASSES = {int: IntProbe, float: FloatProbe, str: StrProbe, bytes: BytesProbe}
+IntProbe, FloatProbe, StrProbe, BytesProbe, TupleProbe = (_probe_class(kind) for kind in (*PROBED_TYPES, tuple))
+_CLASSES = {int: IntProbe, float: FloatProbe, str: StrProbe, bytes: BytesProbe, tuple: TupleProbe}
+_SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def probed(value: Any) -> bool:
+    """Whether a probe stands in for ``value`` during a batch: an ``int``, ``float``,
+    ``str`` or ``bytes``, or a tuple of them (``self.best = (score, utt_id)``)."""
+    return type(value) in PROBED_TYPES or (type(value) is tuple and bool(value) and all(
+        type(x) in _SCALARS for x in value))
 
 
 def _base(value: Any) -> type:
-    return next(kind for kind in (float, str, bytes, int) if isinstance(value, kind))
+    return next(kind for kind in (float, str, bytes, int, tuple) if isinstance(value, kind))
 
 
 # a probe's plain value by the base type's own copy (float(p) would call the probe's
 # __float__, a read the recipe did not make)
-_PLAIN = {int: int.__pos__, float: float.__pos__, str: str.__str__, bytes: lambda b: bytes.__getitem__(b, slice(None))}
+_PLAIN = {int: int.__pos__, float: float.__pos__, str: str.__str__, bytes: lambda b: bytes.__getitem__(b, slice(None)),
+          tuple: lambda t: tuple.__getitem__(t, slice(None))}
 
 
 def _value(probe: Any) -> Any:

@@ -184,6 +184,8 @@ def _shape(cls: type) -> Optional[str]:
     ``"grows"`` (a mapping or a list)."""
     if issubclass(cls, (Mapping, list)):
         return "grows"
+    if getattr(cls, "_ddp_probe", False):  # a probe for a tuple of numbers and strings: no metric object
+        return None
     return "fixed" if issubclass(cls, METRIC_TYPES + (tuple,)) else None
 
 
