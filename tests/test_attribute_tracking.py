@@ -637,7 +637,8 @@ def test_containers_made_for_a_new_key_merge_exactly_when_only_grown(layout):
         assert all(type(v) is torch.Tensor for v in holder.sums.values())
 
 
-@pytest.mark.parametrize("change", ["sort", "insert(0)", "trim", "hist[0] += 1", "max(get)", "discard", "mul_"])
+@pytest.mark.parametrize("change", ["sort", "insert(0)", "trim", "hist[0] += 1", "max(get)", "discard", "mul_",
+                                    "deque", "max(d.get(k, 0))"])
 def test_a_container_made_anew_on_several_ranks_and_changed_otherwise_is_named(change):
     """Issue 37: where each of three ranks makes a key's container anew and a batch
     also sorts, inserts into, trims, sets by position, reads or scales it, in one
@@ -665,6 +666,10 @@ def test_a_container_made_anew_on_several_ranks_and_changed_otherwise_is_named(c
             h.hist[key][0] += 1
         elif change == "max(get)":
             h.best[key]["max"] = max(h.best[key].get("max", 0.0), score)
+        elif change == "deque":
+            h.by_setdefault.setdefault(key, collections.deque(maxlen=2)).append(b)
+        elif change == "max(d.get(k, 0))":
+            h.by_setdefault[key] = max(h.by_setdefault.get(key, 0.0), score)
         elif change == "discard":
             h.sets[key].add(b)
             h.sets[key].discard(b - 2)
@@ -746,3 +751,25 @@ def test_a_tuple_of_numbers_rebuilt_from_its_previous_value_is_named_and_min_sta
         for holder in holders:
             assert (holder.low == single.low or "low" in named) and holder.last == single.last
             assert type(holder.low) is tuple and type(holder.pair) is tuple
+
+
+def test_a_new_key_set_from_a_default_its_batch_compared_is_named_where_another_rank_made_it():
+    """``d[k] = max(d.get(k, 0.0), s)`` in a dict held at stage start: a rank whose batch
+    found ``k`` absent compared the default where one process compared another batch's
+    value. Made on one rank only it is exact; made on two it was the last batch's
+    value, unnamed, and is now named."""
+    scores = (0.3, 1.1, 0.7, 2.9, 0.2, 2.6)
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}), best={})
+
+    def batch(h, b):
+        h.best[b % 2] = max(h.best.get(b % 2, 0.0), scores[b])
+
+    single = make()
+    for b in range(6):
+        batch(single, b)
+    holders, _, merged = simulate_stage([[0, 2, 4], [1, 3, 5]], make, batch, DDPEvalConfig())
+    assert not merged.attributes.conflicts and all(h.best == single.best for h in holders)
+    holders, _, merged = simulate_stage([[0, 1, 2, 3, 4], [5]], make, batch, DDPEvalConfig())
+    assert "best[1]" in merged.attributes.conflicts and holders[1].best[1] != single.best[1]

@@ -278,8 +278,10 @@ def _handing_probe(method):
             if type(default) in (int, float):
                 default = probe(default)
                 self.handed[id(default)] = default
-            elif type(default) in (list, dict, set) and not default:  # setdefault(k, []).append(x)
-                default = made_copy(default, self._notes) if method.__name__ == "setdefault" else default
+            elif method.__name__ == "setdefault" and type(default) in _CLASSES:  # setdefault(k, []).append(x)
+                default = made_copy(default, self._notes)
+                self.handed[id(default)] = default
+            elif type(default) in (list, dict, set) and not default:  # d.get(k, []): an empty container
                 self.handed[id(default)] = default
         elif method.__name__ == "get":
             _note_entry(self, key, dict.__getitem__(self, key))

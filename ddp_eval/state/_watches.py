@@ -424,6 +424,9 @@ class DictWatch(Watch):
             self.length = len(value)
             self.added.extend((batch, self.length))
             room = max(self.room - len(self.entries), 0)
+            handed = getattr(self.obj, "handed", None)  # max(d.get(k, 0.0), x): the default read, not just added to
+            read_default = "a read of the default d.get(k, default) gave" if handed and any(
+                getattr(default, "_used", False) for default in handed.values()) else None
             for index, key in enumerate(new):
                 held = dict.__getitem__(value, key)
                 kept, did = self._plain_made(held)  # a container made for it this batch: the plain one back
@@ -435,8 +438,8 @@ class DictWatch(Watch):
                 entry = self.entries[key] = _entry(self, key, ABSENT)
                 entry.hot = self.length - self.start_len <= EAGER_NEW_KEYS  # few new keys: counters, stats
                 made = self._made(held)
-                if did is not None:
-                    self.slot.notes.made.setdefault(entry.label, []).append(did)
+                if did is not None or read_default:
+                    self.slot.notes.made.setdefault(entry.label, []).append(did or read_default)
                 if made is not None:
                     entry.adopt(batch, kept, kept if made[0] is held else made[0], made[1], factory=self.factory)
                     adopted.add(key)
