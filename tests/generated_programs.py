@@ -250,16 +250,7 @@ def _call_method(kind, name, field=None, owner="m"):
         holder = _metric(brain, owner) if field is not None else None
         if holder is _NOT_MADE:  # a per-key object no batch has made yet
             return
-        target = getattr(brain, _attribute(kind)) if field is None else getattr(holder, field)
-        # x *= n with n a value (97 for a bytearray) three times a batch would grow it past any memory
-        for args in ([(2,)] if name == "__imul__" else _arguments(kind, b)):
-            try:
-                getattr(target, name)(*args)
-                return
-            except TypeError:
-                continue
-            except _FAILS:
-                return
+        _call(getattr(brain, _attribute(kind)) if field is None else getattr(holder, field), kind, name, b)
     return run
 
 
@@ -267,17 +258,22 @@ def _call_made(kind, name):
     """``name`` called on a container made for a new key in that batch: a
     ``defaultdict(list)``'s, or ``setdefault``'s default (a set, a dict)."""
     def run(brain, b):
-        target = brain.made_lists[f"k{b % 2}"] if kind is list else brain.made_by_setdefault.setdefault(
-            f"{kind.__name__}{b % 2}", kind())
-        for args in _arguments(kind, b):
-            try:
-                getattr(target, name)(*args)
-                return
-            except TypeError:
-                continue
-            except _FAILS:
-                return
+        _call(brain.made_lists[f"k{b % 2}"] if kind is list else brain.made_by_setdefault.setdefault(
+            f"{kind.__name__}{b % 2}", kind()), kind, name, b)
     return run
+
+
+def _call(target, kind, name, b):
+    """``target.name(*args)`` with the first argument shape of :func:`_arguments` it takes."""
+    # x *= n with n a value (97 for a bytearray) three times a batch would grow it past any memory
+    for args in ([(2,)] if name == "__imul__" else _arguments(kind, b)):
+        try:
+            getattr(target, name)(*args)
+            return
+        except TypeError:
+            continue
+        except _FAILS:
+            return
 
 
 def container_methods(kind):
