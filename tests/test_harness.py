@@ -8,8 +8,6 @@ import pytest
 from tests import workers
 from tests.mp_harness import POOL, results, run_ranks
 
-pytestmark = pytest.mark.fast
-
 
 def _starts(world_size):
     return results(run_ranks(workers.what_a_rank_starts_with, world_size, timeout=60))
@@ -20,6 +18,7 @@ def _clean(outs):
                and o["seed"] not in (5, 6, 7) for o in outs)  # leave_traces seeds rank + 5
 
 
+@pytest.mark.fast  # the discarding tests below start new processes: full lane only
 def test_the_next_test_finds_the_environment_directory_and_seed_of_a_new_process():
     first = _starts(3)
     assert _clean(first)
