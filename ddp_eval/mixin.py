@@ -1,7 +1,6 @@
 """``DDPEvalMixin``: sharded, exact validation and test for SpeechBrain's Brain."""
 
 import logging
-import os
 import pathlib
 from contextlib import contextmanager
 from typing import Any, Dict, Optional
@@ -12,7 +11,7 @@ from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader
 
 from ddp_eval import distributed as dist
-from ddp_eval.checkpointing.checkpoint import writer_only_saves
+from ddp_eval.checkpointing.checkpoint import share_debug_folder, writer_only_saves
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.distributed import fsdp
 from ddp_eval.errors import ConfigError
@@ -76,7 +75,7 @@ class DDPEvalMixin:
             raise ConfigError(fsdp.support_problem())
         dist.set_timeout(self.ddp_eval_config.collective_timeout)
         if getattr(self.checkpointer, "tempdir", None) is not None:  # --debug: one folder for every rank
-            self._ddp_share_debug_folder()
+            share_debug_folder(self.checkpointer)
         self._ddp_loaders: Dict[Any, Any] = {}
         self._ddp_stage: Optional[ShardedStage] = None  # the sharded VALID/TEST stage under way
         self._ddp_global_loss: Dict[Any, float] = {}
@@ -258,24 +257,6 @@ class DDPEvalMixin:
         dist.decide("TRAIN stage end")
         total, count = dist.all_reduce_sum([stage_loss * self.step, self.step])
         return total / count if count else stage_loss
-
-    def _ddp_share_debug_folder(self) -> None:
-        """Exists because SpeechBrain's ``--debug`` gives each rank's checkpointer a
-        temporary folder of its own, while a sharded (FSDP) save, and a resume that
-        reads what rank 0 saved, need one folder: every rank uses rank 0's."""
-        folder = dist.decide("--debug checkpoint folder", lambda: str(self.checkpointer.checkpoints_dir))[0]
-
-        def check():
-            if not os.path.isdir(folder):
-                raise ConfigError(f"ddp_eval: under --debug every rank uses rank 0's temporary checkpoint folder "
-                                  f"{folder}; expected it on this rank's file system, got no such folder (ranks on "
-                                  "several nodes). Run with --debug_persistently (checkpoints in the recipe's own "
-                                  "save folder) or debug on one node.")
-
-        dist.decide("--debug checkpoint folder seen", check)
-        if str(self.checkpointer.checkpoints_dir) != folder:  # this rank's own temporary folder goes unused
-            self.checkpointer.tempdir.cleanup()
-            self.checkpointer.checkpoints_dir = pathlib.Path(folder)
 
     def _ddp_recoverables(self):
         return getattr(self.checkpointer, "recoverables", {}) if self.checkpointer else {}

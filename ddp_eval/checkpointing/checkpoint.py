@@ -26,6 +26,7 @@ True
 import contextlib
 import contextvars
 import logging
+import os
 import pathlib
 import sys
 import time
@@ -82,6 +83,25 @@ def writer_only_saves() -> Iterator[List[tuple]]:
     finally:
         _deferred.reset(deferred)
         _writer_only.reset(token)
+
+def share_debug_folder(checkpointer: Any) -> None:
+    """Every rank's checkpointer uses rank 0's folder (collective). Exists because
+    SpeechBrain's ``--debug`` gives each rank a temporary folder of its own, while a
+    sharded (FSDP) save, and a resume that reads what rank 0 saved, need one folder."""
+    folder = dist.decide("--debug checkpoint folder", lambda: str(checkpointer.checkpoints_dir))[0]
+
+    def check():
+        if not os.path.isdir(folder):
+            raise ConfigError(f"ddp_eval: under --debug every rank uses rank 0's temporary checkpoint folder "
+                              f"{folder}; expected it on this rank's file system, got no such folder (ranks on "
+                              "several nodes). Run with --debug_persistently (checkpoints in the recipe's own "
+                              "save folder) or debug on one node.")
+
+    dist.decide("--debug checkpoint folder seen", check)
+    if str(checkpointer.checkpoints_dir) != folder:  # this rank's own temporary folder goes unused
+        checkpointer.tempdir.cleanup()
+        checkpointer.checkpoints_dir = pathlib.Path(folder)
+
 
 class _Reads(sb_ckpt.Checkpointer):
     """The reads of :class:`Checkpointer`: rank 0 chooses, every rank gets the

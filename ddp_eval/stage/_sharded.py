@@ -38,9 +38,9 @@ from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
 from ddp_eval.stage._model import ModuleUse, ddp_wrapped, model_modules, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
-from ddp_eval.stage._verify import StageVerifier, compare, scratch_folder, wants_verification
+from ddp_eval.stage._verify import StageVerifier, compare, recipe_attributes, scratch_folder, wants_verification
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
-from ddp_eval.state import Fingerprint, changed_outside, in_global_order, is_training_machinery, outside_markers
+from ddp_eval.state import Fingerprint, changed_outside, in_global_order, outside_markers
 from ddp_eval.state.attribute_merge import last_candidates
 from ddp_eval.state.bookkeeping import StageBook, merge_stage, with_journal_notes
 
@@ -106,7 +106,7 @@ class ShardedStage:
             self.gathered = fsdp.gather_parameters(sharded)
         verified = brain.__dict__.setdefault("_ddp_verified", set())
         if wants_verification(cfg.verify, self.stage.name, verified) and not is_stream(self.loader):
-            self.verifier = StageVerifier(brain, self._recipe_attributes())  # before probes and factories
+            self.verifier = StageVerifier(brain, recipe_attributes(brain, cfg))  # before probes and factories
         self.book = StageBook(brain, cfg)
         crcs: Dict[int, int] = {}  # the buffers' checksums, read once for both uses
         tensors = model_of(brain) if self.journal_root is not None else []
@@ -146,19 +146,6 @@ class ShardedStage:
     @property
     def attributes(self) -> Any:
         return self.book.attributes
-
-    def _recipe_attributes(self) -> List[str]:
-        """The Brain attributes a verified stage compares: the recipe's, metric objects included."""
-        cfg, brain = self.config, self.brain
-        names = set(vars(brain)) - brain._ddp_brain_attributes - {"on_stage_start", "on_stage_end", "ddp_eval_config"}
-        names -= set(cfg.attributes_exclude) | set(cfg.metrics_exclude)
-        recoverables = {id(v) for v in self._recoverables().values()}
-        return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n))
-                      and id(getattr(brain, n)) not in recoverables)
-
-    def _recoverables(self) -> Dict[str, Any]:
-        checkpointer = getattr(self.brain, "checkpointer", None)
-        return dict(getattr(checkpointer, "recoverables", None) or {})
 
     def _outside_markers(self):
         """State outside the Brain (hparams, recoverables), minus what the Brain

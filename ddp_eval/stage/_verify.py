@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ddp_eval.state import compared_captured_state, is_array, numpy
+from ddp_eval.state import compared_captured_state, is_array, is_training_machinery, numpy
 
 MODES = ("off", "first", "every", "strict")
 _MAX_SHOWN = 120  # characters of a value in a message
@@ -122,6 +122,17 @@ def first_difference(got: Any, want: Any, path: str = "", uncompared: Optional[L
             uncompared.append((path, f"a {type(got).__name__}, which cannot be compared ({type(exc).__name__})"))
         return None
     return None if same else (path, _short(got), _short(want))
+
+
+def recipe_attributes(brain: Any, config: Any) -> List[str]:
+    """The Brain attributes a verified stage compares: the recipe's, metric objects
+    included; not what ``sb.Brain`` set up, training machinery or recoverables."""
+    names = set(vars(brain)) - brain._ddp_brain_attributes - {"on_stage_start", "on_stage_end", "ddp_eval_config"}
+    names -= set(config.attributes_exclude) | set(config.metrics_exclude)
+    checkpointer = getattr(brain, "checkpointer", None)
+    recoverables = {id(v) for v in (getattr(checkpointer, "recoverables", None) or {}).values()}
+    return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n))
+                  and id(getattr(brain, n)) not in recoverables)
 
 
 class StageVerifier:

@@ -32,7 +32,7 @@ import logging
 import operator
 import types
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -297,7 +297,27 @@ def _without_moved_probes(watch: Any) -> None:
     ``d[k2] = d.pop(k1)``), which its own slot does not hold, and one a ``get`` default
     or a factory handed out that no slot took (the dict was named first: ``d.clear()``,
     then ``d[k] = d.get(k, 0) + 1``): the plain number back."""
-    unprobed(get_value(watch.slot.owner, watch.slot.name), [], depth=1, handed=True)
+    held = get_value(watch.slot.owner, watch.slot.name)
+    if not isinstance(held, (list, dict)) or holds_stand_ins(
+            dict.values(held) if isinstance(held, dict) else list.__iter__(held)):
+        unprobed(held, [], depth=1, handed=True)
+
+
+_UNMARKED = frozenset({type(None), bool, int, float, complex, str, bytes})  # nothing to fingerprint
+_PLAIN = _UNMARKED | {list, dict, tuple, set, frozenset, torch.Tensor} | (
+    {numpy.ndarray} if numpy is not None else set())
+
+
+def _types_of(values: Iterable[Any]) -> set:
+    """The exact types of ``values``, gathered at C speed (a large dict's values at
+    the stage edges)."""
+    return set(map(type, values))
+
+
+def holds_stand_ins(values: Iterable[Any]) -> bool:
+    """Whether any of ``values`` may be a stand-in (a probe, a recording copy: no
+    plain type), so that a stage-end sweep of a large container looks only where one is."""
+    return not _types_of(values) <= _PLAIN
 
 
 def _entry(watch: Watch, key: Any, start: Any) -> Any:
@@ -382,8 +402,13 @@ class DictWatch(Watch):
         self.entries = {key: _entry(self, key, obj[key]) for key in keys}
         self.active = {key for key, entry in self.entries.items() if entry.busy()}  # looked at every batch
         self.idle = None  # the entries not in active, and their objects (see _idle_moved)
-        self.unwatched = [(key, obj[key], _marker(obj[key])) for key in itertools.islice(obj, self.room, None)
-                          ] if created_at is None else []  # references and fingerprints, compared at stage end
+        # entries past the first ones: (key, value) compared by identity at stage end, and the
+        # fingerprints of those that could change in place (none for numbers and strings)
+        self.later_keys = list(itertools.islice(obj, self.room, None)) if created_at is None else []
+        self.later_starts = list(map(dict.__getitem__, itertools.repeat(obj), self.later_keys))
+        self.marked = [] if _types_of(self.later_starts) <= _UNMARKED else [
+            (key, value, marker) for key, value in zip(self.later_keys, self.later_starts)
+            if (marker := _marker(value)) is not None]
         self.factory = None
         if isinstance(obj, collections.defaultdict) and obj.default_factory is not None:
             holder = slot.label.split("[")[0].split(".")[0]  # what a read of a list the factory made reads
@@ -401,8 +426,8 @@ class DictWatch(Watch):
             self.entries[key].before_batch()
 
     def release(self) -> None:
-        for key, held in list(dict.items(self.obj)):  # a container made this batch, where no look took it back
-            if _recording.is_recording(held) and held.made:
+        for key, held in list(dict.items(self.obj)) if holds_stand_ins(dict.values(self.obj)) else ():
+            if _recording.is_recording(held) and held.made:  # made this batch, where no look took it back
                 dict.__setitem__(self.obj, key, plain_made(held))
             elif getattr(getattr(held, "_ddp_record", None), "made", False):
                 dict.__setitem__(self.obj, key, plain_value(held))
@@ -480,13 +505,14 @@ class DictWatch(Watch):
         return Kind.KEYS if self.last_change >= 0 or self.compared or self._replaced() else None
 
     def _replaced(self) -> Dict[Any, Any]:
-        return {key: self.obj[key] for key, start, _ in self.unwatched
-                if dict.get(self.obj, key, ABSENT) is not start}
+        now = map(dict.get, itertools.repeat(self.obj), self.later_keys, itertools.repeat(ABSENT))
+        return {key: self.obj[key] for key in itertools.compress(  # compared at C speed
+            self.later_keys, map(operator.is_not, now, self.later_starts))}
 
     def finish(self) -> None:
         self.release()
         _finish_entries(self)
-        for key, start, marker in self.unwatched:  # entries past the first 64: replaced, or as they were
+        for key, start, marker in self.marked:  # entries past the first 64: replaced, or as they were
             if self.slot.why is None and dict.get(self.obj, key, ABSENT) is start and unexplained(marker, start):
                 self.slot.fail(f"its entry {key!r} (past the first {SMALL_DICT}, which are watched one by one) "
                                "changed in place; ddp_eval takes such entries as set once: keep per-key state "
