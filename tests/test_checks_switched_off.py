@@ -101,6 +101,6 @@ def test_without_naming_unreadable_rebinds_or_handing_back_probes_the_property_f
     """With rebinds over a value whose reads no probe sees taken as set anew, or the
     probes a batch stored elsewhere left in place, hypothesis finds a program whose
     value is silently wrong (a Fraction summed, a bool or-ed) or holds a stand-in."""
-    from ddp_eval.state import _attributes
+    from ddp_eval.state import _slot_changes
 
-    _fails_when_switched_off(monkeypatch, _attributes, check, REBOUND, off)
+    _fails_when_switched_off(monkeypatch, _slot_changes, check, REBOUND, off)
