@@ -84,6 +84,7 @@ def writer_only_saves() -> Iterator[List[tuple]]:
         _deferred.reset(deferred)
         _writer_only.reset(token)
 
+
 def share_debug_folder(checkpointer: Any) -> None:
     """Every rank's checkpointer uses rank 0's folder (collective). Exists because
     SpeechBrain's ``--debug`` gives each rank a temporary folder of its own, while a

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ddp_eval.state import compared_captured_state, is_array, is_training_machinery, numpy
+from ddp_eval.state import compared_captured_state, is_array, numpy, recipe_names
 
 MODES = ("off", "first", "every", "strict")
 _MAX_SHOWN = 120  # characters of a value in a message
@@ -127,12 +127,10 @@ def first_difference(got: Any, want: Any, path: str = "", uncompared: Optional[L
 def recipe_attributes(brain: Any, config: Any) -> List[str]:
     """The Brain attributes a verified stage compares: the recipe's, metric objects
     included; not what ``sb.Brain`` set up, training machinery or recoverables."""
-    names = set(vars(brain)) - brain._ddp_brain_attributes - {"on_stage_start", "on_stage_end", "ddp_eval_config"}
-    names -= set(config.attributes_exclude) | set(config.metrics_exclude)
+    names = recipe_names(brain) - set(config.attributes_exclude) - set(config.metrics_exclude)
     checkpointer = getattr(brain, "checkpointer", None)
     recoverables = {id(v) for v in (getattr(checkpointer, "recoverables", None) or {}).values()}
-    return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n))
-                  and id(getattr(brain, n)) not in recoverables)
+    return sorted(n for n in names if id(getattr(brain, n)) not in recoverables)
 
 
 class StageVerifier:

@@ -17,8 +17,8 @@ from ddp_eval.state._attributes import AttributeTracker
 from ddp_eval.state._explain import Fingerprint, compared_captured_state
 from ddp_eval.state._order import as_chunks, growth_since, in_global_order
 from ddp_eval.state._outside import changed_outside, outside_markers
-from ddp_eval.state._values import is_array, is_number, is_training_machinery, numpy
+from ddp_eval.state._values import is_array, is_number, numpy, recipe_names
 
 __all__ = ["AttributeTracker", "Fingerprint", "compared_captured_state", "as_chunks", "growth_since",
-           "in_global_order", "changed_outside", "outside_markers", "is_array", "is_number", "is_training_machinery",
-           "numpy"]
+           "in_global_order", "changed_outside", "outside_markers", "is_array", "is_number", "numpy",
+           "recipe_names"]

@@ -171,17 +171,17 @@ def _flat(entries: list, held: List[Any]) -> Any:
     """A large container's entries: scalars by value (one C-level hash), others by
     identity (held), containers also by length, tensors also by ``_version``."""
     kinds = set(map(type, entries))
-    if kinds <= _SCALAR_TYPES:
+    if kinds <= SCALAR_TYPES:
         return hash(tuple(entries))
     held.extend(entries)
     if len(kinds) == 1 and kinds <= _SIZED:  # one entry per utterance, all dicts (ErrorRateStats.scores): C speed
         return hash((tuple(map(id, entries)), tuple(map(len, entries))))
-    return hash(tuple(x if type(x) in _SCALAR_TYPES else (
+    return hash(tuple(x if type(x) in SCALAR_TYPES else (
         id(x), len(x) if isinstance(x, (list, tuple, dict, set)) else (
             x._version if isinstance(x, torch.Tensor) else -1)) for x in entries))
 
 
-_SCALAR_TYPES = {type(None), bool, int, float, complex, str, bytes}
+SCALAR_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})  # fingerprinted by value
 _UNREAD = object()  # among a fingerprint's held objects: it met an object it could not read
 _NO_STATE = frozenset({"_thread", "threading", "socket", "select", "weakref"})  # locks, sockets
 _SIZED = {list, tuple, dict, set}

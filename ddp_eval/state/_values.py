@@ -51,6 +51,26 @@ def is_training_machinery(value: Any) -> bool:
                                               "torch.amp"))
 
 
+_MIXIN_NAMES = frozenset({"on_stage_start", "on_stage_end", "ddp_eval_config"})  # the mixin's own
+
+
+def recipe_names(brain: Any) -> set:
+    """The names of the Brain attributes the recipe keeps: not what ``sb.Brain`` set
+    up (``brain._ddp_brain_attributes``), not the mixin's own (``_ddp...``, its stage
+    wrappers and config), not training machinery.
+
+    Example
+    -------
+    >>> import types
+    >>> brain = types.SimpleNamespace(_ddp_brain_attributes=frozenset({"step"}), step=3, ids=[],
+    ...                               optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0))
+    >>> recipe_names(brain)
+    {'ids'}
+    """
+    return {name for name in set(vars(brain)) - brain._ddp_brain_attributes - _MIXIN_NAMES
+            if not name.startswith("_ddp") and not is_training_machinery(getattr(brain, name))}
+
+
 ABSENT = _Sentinel("ABSENT", "absent")  # an attribute or entry that does not exist
 ELSEWHERE = _Sentinel("ELSEWHERE", "sent by the rank whose value won")
 SMALL_DICT = 64  # entries; a larger dict is watched by its new keys only

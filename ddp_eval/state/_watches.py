@@ -38,7 +38,7 @@ import torch
 
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
-from ddp_eval.state._explain import Fingerprint, captured_state, of_a_framework, unexplained
+from ddp_eval.state._explain import SCALAR_TYPES, Fingerprint, captured_state, of_a_framework, unexplained
 from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain, unprobed
 from ddp_eval.state._order import as_chunks, growth_since, packed
 from ddp_eval.state._probes import Factory
@@ -303,8 +303,7 @@ def _without_moved_probes(watch: Any) -> None:
         unprobed(held, [], depth=1, handed=True)
 
 
-_UNMARKED = frozenset({type(None), bool, int, float, complex, str, bytes})  # nothing to fingerprint
-_PLAIN = _UNMARKED | {list, dict, tuple, set, frozenset, torch.Tensor} | (
+_PLAIN = SCALAR_TYPES | {list, dict, tuple, set, frozenset, torch.Tensor} | (
     {numpy.ndarray} if numpy is not None else set())
 
 
@@ -406,7 +405,7 @@ class DictWatch(Watch):
         # fingerprints of those that could change in place (none for numbers and strings)
         self.later_keys = list(itertools.islice(obj, self.room, None)) if created_at is None else []
         self.later_starts = list(map(dict.__getitem__, itertools.repeat(obj), self.later_keys))
-        self.marked = [] if _types_of(self.later_starts) <= _UNMARKED else [
+        self.marked = [] if _types_of(self.later_starts) <= SCALAR_TYPES else [
             (key, value, marker) for key, value in zip(self.later_keys, self.later_starts)
             if (marker := _marker(value)) is not None]
         self.factory = None

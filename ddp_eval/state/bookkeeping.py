@@ -47,7 +47,7 @@ from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
-from ddp_eval.state._values import ELSEWHERE, Kind, Op, is_training_machinery
+from ddp_eval.state._values import ELSEWHERE, Kind, Op, recipe_names
 from ddp_eval.state.attribute_merge import (
     COMPARED_OTHERWISE,
     MergeResult,
@@ -301,13 +301,12 @@ class StageBook:
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
         """Plain attributes of the recipe's Brain that may be merged (not those
         holding the ``metric_objects`` found, nor what ``sb.Brain`` set up)."""
-        cfg, brain = self.config, self.brain
-        names = set(vars(brain)) - brain._ddp_brain_attributes - _holders(metric_objects)
-        names -= set(cfg.attributes_exclude) | set(cfg.merge) | {"on_stage_start", "on_stage_end", "ddp_eval_config"}
+        cfg = self.config
+        names = recipe_names(self.brain) - _holders(metric_objects) - set(cfg.attributes_exclude) - set(cfg.merge)
         plain = [n for n in cfg.attributes_include or () if "." not in n]
         if plain:  # names without a dot restrict the Brain's attributes; paths only add
             names &= set(plain)
-        return sorted(n for n in names if not n.startswith("_ddp") and not is_training_machinery(getattr(brain, n)))
+        return sorted(names)
 
     def start(self) -> None:
         """Right before each batch: numbers and tensors get their probes."""
