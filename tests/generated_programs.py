@@ -193,6 +193,7 @@ class Brain:
             setattr(self, _attribute(kind), _start(kind))
         self.text, self.blob, self.tup, self.rebuilt = "", b"", (), []
         self.n, self.x, self.derived = 0, 0.0, None
+        self.best, self.low, self.best_n, self.best_by = 0.0, 100.0, 0, {0: 0.0, 1: 0.0, 2: 0.0}  # running extremes
         self.vec, self.ivec = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long)
         self.grown = torch.zeros(1, dtype=torch.float64)  # changes shape: its own attribute
         self.arr, self.iarr, self.arr_grown = np.zeros(3), np.zeros(3, dtype=np.int64), np.zeros(1)
@@ -327,6 +328,46 @@ def _full(b):
     return torch.full((3,), value(b), dtype=torch.float64)
 
 
+def jumbled(b):
+    """A batch's score, up and down with ``b``: which batch holds the extreme depends on all."""
+    return value(b * 7 % 11)
+
+
+# running extremes as recipes keep them: the builtin max or min, stored back where it was read
+def _keep_max(h, b):
+    h.best = max(h.best, jumbled(b))
+
+
+def _keep_min(h, b):
+    h.low = min(jumbled(b) * 10, h.low)
+
+
+def _keep_max_int(h, b):
+    h.best_n = max(h.best_n, b * 7 % 11)
+
+
+def _keep_max_by_key(h, b):
+    h.best_by[b % 3] = max(h.best_by[b % 3], jumbled(b))
+
+
+def _keep_max_in_a_loop(h, b):  # a later item compared with an earlier one's score, not the batch-start value
+    for score in (jumbled(b), jumbled(b + 5)):
+        h.best = max(h.best, score)
+
+
+def _keep_max_by_if(h, b):  # a comparison that steers code
+    if jumbled(b) > h.best:
+        h.best = jumbled(b)
+
+
+def _int_made_float_by_max(h, b):  # a float compares with an int in C: no probe sees it
+    h.n = max(h.n, jumbled(b))
+
+
+def _int_made_float_by_sum(h, b):
+    h.n = jumbled(b) + h.n
+
+
 def _data_iadd(h, b):
     h.vec.data += _full(b)
 
@@ -351,6 +392,14 @@ def _fixed():
         "list = list + [x]": lambda h, b: setattr(h, "rebuilt", h.rebuilt + [value(b)]),
         "tensor = tensor + t": lambda h, b: setattr(h, "vec", h.vec + t(b)),
         "array = array + v": lambda h, b: setattr(h, "arr", h.arr + value(b)),
+        "best = max(best, v)": _keep_max,
+        "low = min(v, low)": _keep_min,
+        "best_n = max(best_n, k)": _keep_max_int,
+        "best_by[k] = max(best_by[k], v)": _keep_max_by_key,
+        "for v in scores: best = max(best, v)": _keep_max_in_a_loop,
+        "if v > best: best = v": _keep_max_by_if,
+        "n = max(n, v)": _int_made_float_by_max,
+        "n = v + n": _int_made_float_by_sum,
         "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
         "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),
         "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),

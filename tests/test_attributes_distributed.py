@@ -8,7 +8,14 @@ import speechbrain as sb
 
 from tests import toy
 from tests.mp_harness import results, run_ranks
-from tests.workers import accumulating_recipe, running_max_attribute, unmakeable_metric_object, unpicklable_last_value
+from tests.workers import (
+    BestAndWorst,
+    accumulating_recipe,
+    builtin_extremes,
+    running_max_attribute,
+    unmakeable_metric_object,
+    unpicklable_last_value,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,9 +49,26 @@ def test_lists_counters_dicts_and_accumulators_equal_one_process(world_size, str
         assert not [i for i in per_rank[2]["seen"] if i.startswith("tst")]
 
 
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
+def test_running_extremes_kept_by_the_builtin_max_and_min_equal_one_process_unnamed(world_size, tmp_path):
+    """``self.best = max(self.best, x)``, ``min``, on floats, an int and dict entries:
+    a rank's first batch compares with the start value where one process compares
+    another batch's, but the call only chooses which value is kept, so the merge
+    replays the choice on one process's value: exact, and nothing is named."""
+    single = toy.run_accumulating(toy.build(BestAndWorst, tmp_path / "plain", epochs=1,
+                                            checkpointer_cls=sb.utils.checkpoints.Checkpointer))
+    per_rank = results(run_ranks(builtin_extremes, world_size, str(tmp_path / "ddp"), None, timeout=120))
+    want = [entry["extremes"] for entry in single["log"]]
+    assert len(want) == 2 and want[0] != want[1]
+    for out in per_rank:
+        assert [entry["extremes"] for entry in out["log"]] == want
+        assert out["warnings"] == [], out["warnings"]
+
+
 @pytest.mark.fast
 def test_a_value_computed_from_its_previous_one_is_named_in_a_warning(tmp_path):
-    """A running maximum: each batch's comparison is replayed on one process's value;
+    """A running maximum kept by an ``if`` (what it steers is not seen): each batch's
+    comparison is replayed on one process's value;
     in VALID one gives another answer (a rank's first batch compares with 0.0), so it
     is named, and with it what batches did after that read (the ids of the last
     batch among them), in a warning on rank 0 only."""

@@ -6,7 +6,7 @@ tests, so that the two files run side by side.)"""
 import pytest
 from hypothesis import Phase, find, settings
 
-from ddp_eval.state import _recording
+from ddp_eval.state import _recording, _slot_changes
 from tests.test_operations_from_types import (
     ALIASED,
     LAZY_BLEU,
@@ -15,6 +15,7 @@ from tests.test_operations_from_types import (
     STEERED_FEW,
     STEERING,
     programs,
+    run_program,
     silently_wrong,
 )
 
@@ -104,3 +105,22 @@ def test_without_naming_unreadable_rebinds_or_handing_back_probes_the_property_f
     from ddp_eval.state import _slot_changes
 
     _fails_when_switched_off(monkeypatch, _slot_changes, check, REBOUND, off)
+
+
+@pytest.mark.fast
+def test_without_the_check_of_ints_made_floats_the_property_fails(monkeypatch):
+    """``n = max(n, 0.5)`` or ``n = 0.5 + n`` on an int: the float compares with or adds
+    the int in C, where no probe sees it. With that set not taken as an unseen read,
+    hypothesis finds a program whose ``n`` is silently wrong."""
+    _fails_when_switched_off(monkeypatch, _slot_changes, "UNSEEN_INT_READS", ["n = max(n, v)", "n = v + n"])
+
+
+@pytest.mark.fast
+def test_without_choices_running_extremes_are_named(monkeypatch):
+    """``best = max(best, v)`` at interleaved ranks: replayed as a choice it names
+    nothing; merged as a comparison it is named (exact either way)."""
+    program = [["best = max(best, v)", "low = min(v, low)", "best_by[k] = max(best_by[k], v)"]] * 6
+    owners = [0, 1, 1, 0, 2, 0]
+    assert run_program(program, owners, 3)[2] == set()
+    monkeypatch.setattr(_slot_changes, "CHOICES", False)
+    assert {"best", "low", "best_by"} <= {label.split("[")[0] for label in run_program(program, owners, 3)[2]}

@@ -203,6 +203,8 @@ IDIOMS = {
                  "dataclass field +=", "dataclass float +=", "namespace +=", "namespace float +=",
                  "lazy metric object", "array[i:] += v", "multi metric.append"],
     "rebuilt": ["array = array + v", "tensor = tensor + t", "str = str + x"],
+    "extremes": ["best = max(best, v)", "low = min(v, low)", "best_n = max(best_n, k)",
+                 "best_by[k] = max(best_by[k], v)"],
 }
 
 

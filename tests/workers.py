@@ -121,7 +121,7 @@ def accumulating_recipe(rank, world_size, ckpt_dir, stream, ddp_eval_opts=None):
 
 
 def running_max_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
-    """A Brain keeping a running maximum (a value computed from its previous one:
+    """A Brain keeping a running maximum by an ``if`` (a comparison that steers code:
     kept rank-local, reported), and the ids of its last batch (merged)."""
     import logging
 
@@ -133,7 +133,8 @@ def running_max_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
         def compute_objectives(self, logits, batch, stage):
             self.last_ids = list(batch.id)
             accuracy = float((logits.argmax(-1) == batch.label.data[:, 0]).float().mean())
-            self.best_batch_acc = max(self.best_batch_acc, accuracy)
+            if accuracy > self.best_batch_acc:
+                self.best_batch_acc = accuracy
             return super().compute_objectives(logits, batch, stage)
 
         def on_stage_end(self, stage, stage_loss, epoch=None):
@@ -475,3 +476,46 @@ def uneven_test_losses(rank, world_size, directory, sizes, interrupt_after=None)
             return {"error": type(error).__name__}
         assert brain.log[-1]["loss"] == losses[-1]  # what on_stage_end saw
     return {"losses": losses}
+
+
+class BestAndWorst(toy.AccumulatingBrain):
+    """Running extremes kept with the builtin ``max`` and ``min``, as recipes keep
+    them: on the Brain, per label in a dict, and started as a float or an int."""
+
+    def on_stage_start(self, stage, epoch=None):
+        super().on_stage_start(stage, epoch)
+        self.best_acc, self.lowest_loss, self.most_wrong = 0.0, float("inf"), 0
+        self.best_per_label = {label: -1.0 for label in range(toy.CLASSES)}
+
+    def compute_objectives(self, logits, batch, stage):
+        labels = batch.label.data[:, 0]
+        hits = logits.argmax(-1) == labels
+        self.best_acc = max(self.best_acc, float(hits.double().mean()))
+        loss = super().compute_objectives(logits, batch, stage)
+        self.lowest_loss = min(float(loss), self.lowest_loss)
+        self.most_wrong = max(self.most_wrong, int((~hits).sum()))
+        top = {}  # the batch's best score per label, then one max per label
+        for label, score in zip(labels.tolist(), logits.detach().double().max(-1).values.tolist()):
+            top[label] = max(top.get(label, score), score)
+        for label, score in top.items():
+            self.best_per_label[label] = max(self.best_per_label[label], score)
+        return loss
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        super().on_stage_end(stage, stage_loss, epoch)
+        if stage != sb.Stage.TRAIN:
+            self.log[-1]["extremes"] = (self.best_acc, self.lowest_loss, self.most_wrong, dict(self.best_per_label))
+
+
+def builtin_extremes(rank, world_size, ckpt_dir, ddp_eval_opts):
+    """``BestAndWorst`` converted: its log and the warnings this rank logged."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    converted = type("Converted", (ddp_eval.DDPEvalMixin, BestAndWorst), {})
+    brain = toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
+    out = toy.run_accumulating(brain)
+    return {"log": out["log"], "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}

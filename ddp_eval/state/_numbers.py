@@ -37,9 +37,11 @@ True
 
 import inspect
 import operator
+import sys
 import types
 from typing import Any, List, Optional, Tuple
 
+from ddp_eval.state._select import stored_choice
 from ddp_eval.state._values import Op, as_builtin
 
 PROBED_TYPES = (int, float, str, bytes)
@@ -106,6 +108,7 @@ class _Probe:
         return as_builtin, (_base(self).__name__, _value(self))
 
 
+_CHOOSING = ("__lt__", "__gt__")  # what the builtin max and min compare with
 _COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__bool__")
 
 
@@ -135,7 +138,12 @@ def _used(name: str):
             origin._read = True
         if not origin._compared:
             origin._compared = []
-        origin._compared.append((name, tuple(plain(a) for a in args), result) if replayable else None)
+        if not replayable:
+            origin._compared.append(None)
+        elif name in _CHOOSING and (kind := stored_choice(sys._getframe(1))):  # self.best = max(self.best, s)
+            origin._compared.append((name, tuple(plain(a) for a in args), result, kind))
+        else:
+            origin._compared.append((name, tuple(plain(a) for a in args), result))
         if isinstance(result, _Raised):  # text[5] on a rank's shorter text: a read too
             raise result.error
         return iter(result) if name == "__iter__" else result

@@ -51,6 +51,9 @@ def replay(start: Any, events: List[Tuple[str, Any]]) -> Any:
             continue
         if op == Op.INITIAL:
             value = operand if value is UNSET else value
+        elif op == Op.CHOICE:  # max or min of the value and a number: which one it keeps, on this value
+            comparison, other, keeps_other = operand
+            value = other if ((value < other) if comparison == "<" else (value > other)) == keeps_other else value
         elif op in (Op.SET, Op.OVER_NONE, Op.CREATED):
             value = operand
         elif op == Op.UNPROBED:

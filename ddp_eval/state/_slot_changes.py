@@ -33,6 +33,9 @@ from ddp_eval.state._recording import REMEDY, recording_copy, steered
 from ddp_eval.state._values import ABSENT, Op, get_value, is_array, is_number, numpy, set_value, top_label
 from ddp_eval.state._watches import BoundWatch, TensorWatch, make_watch
 
+CHOICES = True  # x = max(x, v) replayed as a choice (tests switch it off to show that it matters)
+UNSEEN_INT_READS = True  # an int a batch made a float was read unseen (tests switch it off)
+
 
 class ProbeReadings:
     """What a batch did to a slot's value, from the probe that stood in for it
@@ -58,9 +61,21 @@ class ProbeReadings:
         what, data = read_changes(self.probe, value)
         if what == "derived" and self._replayed_reads_only(value):  # x = max(x, v): a set, its reads replayed
             what = "set"
-        if self.probe._compared and probed(self.obj) and _recording.ENABLED:  # x < k, s.endswith(t)
+        choices = self._choices(what, value)
+        if choices:  # x = max(x, v): the choice itself is replayed, on one process's value
+            self.events.extend((batch, Op.CHOICE, choice) for choice in choices)
+            self.compared, self.probe, self.obj = True, None, plain(value)
+            if what == "set":
+                self.notes.sets.add(top_label(self.label))
+            set_value(self.owner, self.name, self.obj)
+            return what == "set"
+        reads = self.probe._compared
+        if what == "set" and type(self.obj) is int and is_number(value) and not isinstance(value, int) \
+                and UNSEEN_INT_READS:
+            reads = [*reads, None]  # min(n, 0.5), 0.5 + n: a float reads an int in C, unseen: not replayable
+        if reads and probed(self.obj) and _recording.ENABLED:  # x < k, s.endswith(t)
             start = UNSET if self.start is ABSENT or self.start is None else plain(self.start)
-            self.events.append((batch, Op.COMPARED, (plain(self.obj), self.probe._compared, start)))
+            self.events.append((batch, Op.COMPARED, (plain(self.obj), reads, start)))
             self.compared = True
         if self.probe._read or (what == "same" and (self.probe._derived or self.probe._results)):
             self.notes.reads.add(top_label(self.label))  # its value went into something else
@@ -99,6 +114,31 @@ class ProbeReadings:
         self.obj = plain(value)
         set_value(self.owner, self.name, self.obj)
         return True
+
+    def _choices(self, what: str, value: Any) -> List[Tuple[str, Any, bool]]:
+        """``(comparison, operand, answer on which the operand is kept)`` for each call
+        of the builtin ``max`` or ``min`` of the number and a plain one, stored back in
+        its place (:mod:`ddp_eval.state._select`; ``for s in scores: best = max(best,
+        s)``), if those calls were the batch's only use of it and it holds what the last
+        one returned; else none."""
+        probe, reads = self.probe, self.probe._compared
+        if not (CHOICES and _recording.ENABLED and reads and all(read and len(read) == 4 for read in reads)):
+            return []  # no call of the builtin, or another read besides
+        if probe._read or probe._derived or probe._results or self.assigned_at is not None or what == "ops" \
+                or self.start is ABSENT or self.start is None or not is_number(self.obj):
+            return []
+        choices = []
+        for name, (operand,), answer, kind in reads:
+            keeps_operand = name != ("__gt__" if kind == "max" else "__lt__")  # max(x, v) keeps v when x < v
+            if type(answer) is not bool:
+                return []
+            choices.append((("<" if name == "__lt__" else ">"), operand, keeps_operand, answer == keeps_operand))
+        *earlier, (_, operand, _, took_operand) = choices
+        if any(took for *_, took in earlier) or took_operand != (what == "set"):
+            return []  # the number itself was not kept until the last call
+        if what == "set" and not (value is operand or (type(value) is type(operand) and value == operand)):
+            return []
+        return [choice[:3] for choice in choices]
 
     def _replayed_reads_only(self, value: Any) -> bool:
         """Whether a number a batch computed from its previous one (``max(x, v)``,

@@ -105,6 +105,7 @@ class Op(str, enum.Enum):
     UNPROBED = "?"  # changed while it had no probe: (before, after), told by its other changes
     CONCAT_OR_SET = "?&"  # bound once over an empty list or tuple: extended, or set anew
     COMPARED = "<"  # a batch compared the value: (its value at batch start, the comparisons, the stage's start)
+    CHOICE = "<?"  # x = max(x, v) or min: (comparison, v, the answer on which v is kept), replayed as such
 
     def __repr__(self) -> str:  # as the code it stands for: ('+', 2) in a record
         return repr(self.value)

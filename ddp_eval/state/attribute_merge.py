@@ -161,7 +161,9 @@ def _merge_fold(label: str, per_contribution: Sequence[list], result: "MergeResu
 COMPARED_OTHERWISE = ("a batch compared it (if x < k, min, max) when it held another value than one process's at "
                        "that batch (on a rank only its own batches had changed it), and the comparison gives another "
                        "answer on one process's value, so what that batch did may differ: the merge replays what "
-                       "each batch did on its rank; declare the merge (ddp_eval: merge) or compare in on_stage_end")
+                       "each batch did on its rank; declare the merge (ddp_eval: merge) or compare in on_stage_end "
+                       "(an int a batch made a float, as in min(n, 0.5) or 0.5 + n, was read in C where ddp_eval "
+                       "cannot see it: start it as a float, 0.0)")
 
 
 def _compared_alike(decided: Sequence[Tuple[Op, Any]]) -> bool:
