@@ -773,3 +773,22 @@ def test_a_new_key_set_from_a_default_its_batch_compared_is_named_where_another_
     assert not merged.attributes.conflicts and all(h.best == single.best for h in holders)
     holders, _, merged = simulate_stage([[0, 1, 2, 3, 4], [5]], make, batch, DDPEvalConfig())
     assert "best[1]" in merged.attributes.conflicts and holders[1].best[1] != single.best[1]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("start", [[], [0]])
+def test_a_number_no_batch_changes_appended_to_a_list_names_nothing(start):
+    """``items.append(self.weight)``, ``items.append(1 + self.weight)``, to a list empty
+    or not at stage start, with ``self.weight * 1.5`` read too: the plain number goes
+    in, and a read of a number no batch changed is one process's read."""
+    def make():
+        return types.SimpleNamespace(weight=2, items=list(start), scaled=[])
+
+    def batch(h, b):
+        h.items.append(h.weight)
+        h.items.append(1 + h.weight)
+        h.scaled.append(h.weight * 1.5)
+
+    single, holders, merged = simulate(make, batch, [[0, 2, 4], [1, 3, 5]])
+    assert not merged.assumed and not merged.conflicts
+    assert all(vars(h) == vars(single) and type(h.items[-1]) is int for h in holders)

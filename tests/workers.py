@@ -519,3 +519,33 @@ def builtin_extremes(rank, world_size, ckpt_dir, ddp_eval_opts):
     brain = toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
     out = toy.run_accumulating(brain)
     return {"log": out["log"], "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+
+
+class RunningAccuracy(toy.AccumulatingBrain):
+    """A progress figure computed in each batch from the counters batches keep:
+    ``100.0 * self.n_correct`` reads the int in C (a float on its left)."""
+
+    def compute_objectives(self, logits, batch, stage):
+        loss = super().compute_objectives(logits, batch, stage)
+        if stage != sb.Stage.TRAIN:
+            self.running_acc = 100.0 * self.n_correct / self.n_seen
+        return loss
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        super().on_stage_end(stage, stage_loss, epoch)
+        if stage != sb.Stage.TRAIN:
+            self.log[-1]["running_acc"] = self.running_acc
+
+
+def running_accuracy(rank, world_size, ckpt_dir, ddp_eval_opts):
+    """``RunningAccuracy`` converted: its log and the warnings this rank logged."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddp_eval").addHandler(handler)
+    converted = type("Converted", (ddp_eval.DDPEvalMixin, RunningAccuracy), {})
+    brain = toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
+    out = toy.run_accumulating(brain)
+    return {"log": out["log"], "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}

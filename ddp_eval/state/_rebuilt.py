@@ -39,6 +39,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ddp_eval.state import _recording
+from ddp_eval.state._numbers import unprobed
 from ddp_eval.state._recording import GROWS, changing_methods, is_recording
 from ddp_eval.state._values import Op, as_builtin, is_array, numpy
 
@@ -480,10 +481,15 @@ def _changing(name: str, grows: bool = False):
     (``append``), which is noted only if it raises (``items[0] = x`` on a rank's
     empty list; one process's may hold entries)."""
     def method(self, *args, **kwargs):
+        record = self._ddp_record
         if not grows:
-            self._ddp_record.writes.append(f"{name}()")
-        elif self._ddp_record.used and self._ddp_record.steered is None:
-            self._ddp_record.steered = name  # if not self.first: self.first.append(x)
+            record.writes.append(f"{name}()")
+        elif record.used and record.steered is None:
+            record.steered = name  # if not self.first: self.first.append(x)
+        if record.notes is not None and record.notes.listening:  # items.append(self.n): the plain number, n read
+            found: List[str] = []
+            args = tuple(unprobed(arg, found, depth=1) for arg in args)
+            record.notes.copied(found)
         try:
             return getattr(self._base, name)(self, *args, **kwargs)
         except Exception as error:

@@ -44,10 +44,11 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 
 from ddp_eval.state._aliases import SharedCopies
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
+from ddp_eval.state._c_reads import read_in_c
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
-from ddp_eval.state._values import ELSEWHERE, Kind, Op, recipe_names
+from ddp_eval.state._values import ELSEWHERE, Kind, Op, is_number, recipe_names
 from ddp_eval.state.attribute_merge import (
     COMPARED_OTHERWISE,
     MergeResult,
@@ -97,7 +98,7 @@ def name_values_read_from_partial_state(result: MergeResult, reports: Sequence[M
     otherwise is named too (:func:`_name_what_a_steering_read_may_have_left_undone`)."""
     _name_places_bound_apart(result, reports)  # first: a read of what it names may have steered
     _name_entries_made_apart(result, reports)
-    changed = {top_label(label) for label in (*result.merged, *result.conflicts)}
+    changed = _changed(result)  # a number batches only compared is unchanged: a read of it is one process's
     changed |= {top_label(label) for report in reports for label in report.get("unmergeable", ())} | set(grown)
     for rank, report in enumerate(reports):
         for label, read in report.get("read_then_set", {}).items():
@@ -162,6 +163,13 @@ def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str,
 NAME_WHAT_READS_STEER = True  # tests switch it off to show that it matters
 
 
+def _changed(result: MergeResult) -> set:
+    """Labels some batch changed (a number only compared is merged, but unchanged)."""
+    changed = {top_label(label) for label in (*result.conflicts, *result.assumed)}
+    return changed | {top_label(label) for label, (kind, data) in result.merged.items()
+                      if kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)}
+
+
 def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
                                                     changed: set) -> None:
     """A batch whose read gave another answer than one process's (a number whose
@@ -175,6 +183,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     steering = sorted({top_label(label) for label, why in result.assumed.items() if why == COMPARED_OTHERWISE})
     steering += sorted({label for report in reports for label in report.get("whole_reads", ()) if label in changed}
                        - set(steering))
+    steering += sorted({label for report in reports for label in report.get("c_reads", ())} & changed
+                       - set(steering))  # read in C (100.0 * self.correct) by the batch code, whenever it ran
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)} | {
         top_label(label) for report in reports for label in report.get("unmergeable", ())}
     steering += sorted({label for report in reports for label in report.get("absent_reads", ()) if label in named}
@@ -235,7 +245,7 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for label, read in piece.get("read_then_set", {}).items():
             read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
         merged["read_then_set"] = read_then_set
-        for key in ("whole_reads", "absent_reads", "shape_reads", "shared_changed"):
+        for key in ("whole_reads", "c_reads", "absent_reads", "shape_reads", "shared_changed"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
         merged["made"] = {label: [*merged.get("made", {}).get(label, ()), *piece.get("made", {}).get(label, ())]
@@ -369,13 +379,21 @@ class StageBook:
                        **self.lazy.nested_changes()}
         return {"unmergeable": unmergeable,
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
-                "whole_reads": sorted(self.attributes.whole_reads),
+                "whole_reads": sorted(self.attributes.whole_reads), "c_reads": sorted(self._read_in_c()),
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
                 "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
                 "made": {label: list(did) for label, did in self.attributes.notes.made.items()},
                 "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
                     self.metrics.objects))}
+
+    def _read_in_c(self) -> set:
+        """The Brain's numbers its batch code reads where no probe sees
+        (:mod:`ddp_eval.state._c_reads`: ``100.0 * self.correct``), once a batch ran."""
+        if not self.metrics.batches:
+            return set()
+        return {name for name in read_in_c(type(self.brain)) if name in self.attributes.tracks
+                and is_number(getattr(self.brain, name, None))}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
         """One process that evaluated every batch: probes out, nothing to merge."""
