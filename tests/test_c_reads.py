@@ -1,6 +1,9 @@
-"""A float or tensor on the left of a watched number reads it in C, where no probe
-sees it (``100.0 * self.correct``): the batch code's bytecode names such reads."""
+"""A float or tensor on the left of a watched number, or C code given it, reads it
+where no probe sees (``100.0 * self.correct``, ``math.sqrt(self.total)``): the batch
+code's bytecode names such reads."""
 
+import ast
+import math
 import types
 
 import pytest
@@ -40,6 +43,21 @@ class Tensors(Counting):
         self.scaled.append(float(torch.tensor(1.5) * self.seen))
 
 
+class Passed(Counting):
+    def _progress(self, b):  # C code takes a float's or an int's value: no method of the probe is called
+        self.scaled.append(math.sqrt(self.seen))
+        self.late.append(float(torch.tensor(self.correct)))
+
+
+class Extreme(Counting):
+    def __init__(self):
+        super().__init__()
+        self.low = 100
+
+    def _progress(self, b):  # a choice the merge replays: not a read in C
+        self.low = min(b, self.low)
+
+
 class Constant(Counting):
     def _progress(self, b):  # read in C, but no batch changes it; a probe's own method; its reflected one
         self.scaled.append(2.5 * self.weight + self.weight * 1.5)
@@ -51,10 +69,11 @@ def test_the_scan_finds_right_operands_read_in_c():
     assert read_in_c(Counting) == {"correct", "seen"}
     assert read_in_c(Steering) == {"seen"} and read_in_c(Tensors) == {"seen"}
     assert read_in_c(Constant) == {"weight"}
+    assert read_in_c(Passed) == {"seen", "correct"} and read_in_c(Extreme) == set()
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("recipe", [Counting, Steering, Tensors])
+@pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe):
     """Merged as each rank did it (wrong), so named with the read that steered it."""
     single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
@@ -62,7 +81,8 @@ def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe):
     differs = {name for name, want in vars(single).items() if getattr(holders[0], name) != want}
     assert differs and differs <= named, (differs, named)
     why = merged.assumed[sorted(differs)[0]]
-    assert f"batches read {sorted(read_in_c(recipe))}" in why and "read accumulated values in on_stage_end" in why
+    read = why[why.index("batches read [") + len("batches read "): why.index("] when") + 1]
+    assert set(ast.literal_eval(read)) == read_in_c(recipe) and "read accumulated values in on_stage_end" in why
 
 
 @pytest.mark.fast
@@ -70,6 +90,8 @@ def test_a_number_no_batch_changes_read_in_c_and_reads_after_the_merge_name_noth
     single, holders, merged = simulate(Constant, lambda h, b: h.compute_objectives(b), [[0, 2, 4], [1, 3, 5]])
     assert not merged.assumed and all(vars(h) == vars(single) for h in holders)
     assert all(h.on_stage_end() == single.on_stage_end() for h in holders)
+    single, holders, merged = simulate(Extreme, lambda h, b: h.compute_objectives(b), [[0, 2, 4], [1, 3, 5]])
+    assert not merged.assumed and all(h.low == single.low == 0 for h in holders)
 
 
 def test_a_class_without_batch_methods_has_none():

@@ -115,7 +115,6 @@ def test_without_the_check_of_ints_made_floats_the_property_fails(monkeypatch):
     _fails_when_switched_off(monkeypatch, _slot_changes, "UNSEEN_INT_READS", ["n = max(n, v)", "n = v + n"])
 
 
-@pytest.mark.fast
 def test_without_choices_running_extremes_are_named(monkeypatch):
     """``best = max(best, v)`` at interleaved ranks: replayed as a choice it names
     nothing; merged as a comparison it is named (exact either way)."""

@@ -33,14 +33,14 @@ from types import CodeType, FrameType
 from typing import List, Optional, Tuple
 
 CHOICES = ("max", "min")
-_JUMPS = frozenset(dis.hasjrel + dis.hasjabs)
+JUMPS = frozenset(dis.hasjrel + dis.hasjabs)
 _LOADS = ("LOAD_GLOBAL", "LOAD_NAME")
 
 
 def stored_choice(frame: FrameType) -> Optional[str]:
     """``"max"`` or ``"min"`` if ``frame`` is calling that builtin with two arguments
     and stores its result where one of them was read; else None."""
-    found = _choice_at(frame.f_code, frame.f_lasti)
+    found = choice_at(frame.f_code, frame.f_lasti)
     if found is None:
         return None
     kind, load = found
@@ -50,7 +50,7 @@ def stored_choice(frame: FrameType) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _choice_at(code: CodeType, offset: int) -> Optional[Tuple[str, str]]:
+def choice_at(code: CodeType, offset: int) -> Optional[Tuple[str, str]]:
     instructions = list(dis.get_instructions(code))
     at = next((i for i, instruction in enumerate(instructions) if instruction.offset == offset), None)
     if at is None or instructions[at].opname != "CALL" or instructions[at].arg != 2:
@@ -77,13 +77,13 @@ def _callee(instructions: List[dis.Instruction], at: int) -> Optional[int]:
             continue
         depth = 1 if start and instructions[start - 1].opname == "PUSH_NULL" else 0  # LOAD_NAME's NULL
         for inner in instructions[start: at]:
-            if inner.opcode in _JUMPS:
+            if inner.opcode in JUMPS:
                 return None
-            depth += _effect(inner)
+            depth += stack_effect(inner)
             if depth <= 0:  # this load's callable was consumed before the call
                 break
         else:
-            if depth + _effect(instructions[at]) == 1:
+            if depth + stack_effect(instructions[at]) == 1:
                 return start
     return None
 
@@ -93,7 +93,7 @@ def _split(arguments: List[dis.Instruction]) -> List[List[Tuple[str, object]]]:
     after which the stack holds one value and never goes back below two."""
     depths, depth = [], 0
     for instruction in arguments:
-        depth += _effect(instruction)
+        depth += stack_effect(instruction)
         depths.append(depth)
     for split, reached in enumerate(depths[:-1]):
         if reached == 1 and min(depths[split + 1:]) >= 2:
@@ -102,7 +102,7 @@ def _split(arguments: List[dis.Instruction]) -> List[List[Tuple[str, object]]]:
     return []
 
 
-def _effect(instruction: dis.Instruction) -> int:
+def stack_effect(instruction: dis.Instruction) -> int:
     if instruction.opcode < dis.HAVE_ARGUMENT:
         return dis.stack_effect(instruction.opcode)
     return dis.stack_effect(instruction.opcode, instruction.arg, jump=False)
@@ -114,9 +114,9 @@ def _store(instructions: List[dis.Instruction], at: int) -> Optional[List[Tuple[
     or ``STORE_SUBSCR`` that takes the result, with no call or jump between."""
     depth, loads = 1, []
     for instruction in instructions[at + 1:]:
-        if instruction.opcode in _JUMPS or instruction.opname in ("CALL", "PRECALL", "CALL_FUNCTION_EX"):
+        if instruction.opcode in JUMPS or instruction.opname in ("CALL", "PRECALL", "CALL_FUNCTION_EX"):
             return None
-        effect = _effect(instruction)
+        effect = stack_effect(instruction)
         if depth + effect <= 0:
             if instruction.opname == "STORE_ATTR" and depth == 2:
                 return loads + [("LOAD_ATTR", instruction.argval)]
