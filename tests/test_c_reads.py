@@ -3,6 +3,7 @@ where no probe sees (``100.0 * self.correct``, ``math.sqrt(self.total)``): the b
 code's bytecode names such reads."""
 
 import ast
+import json
 import math
 import types
 
@@ -96,3 +97,26 @@ def test_a_number_no_batch_changes_read_in_c_and_reads_after_the_merge_name_noth
 
 def test_a_class_without_batch_methods_has_none():
     assert read_in_c(types.SimpleNamespace) == frozenset()
+
+
+class Gathered(Counting):
+    """Strings and sets batches grow, read by C code that takes their characters or
+    entries directly (no method of the value is called)."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.labels, self.size = "", set(), 0
+
+    def _progress(self, b):
+        self.text += f"u{b};"
+        self.labels.add(b % 4)
+        self.size = len(frozenset(self.labels))
+        self.late.append(len(json.dumps(self.text)))
+
+
+@pytest.mark.fast
+def test_strings_and_sets_c_code_is_given_are_named():
+    assert {"text", "labels"} <= read_in_c(Gathered)
+    single, holders, merged = simulate(Gathered, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
+    differs = {name for name, want in vars(single).items() if getattr(holders[0], name) != want}
+    assert {"size", "late"} <= differs and differs <= set(merged.assumed) | set(merged.conflicts)

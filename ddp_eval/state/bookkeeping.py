@@ -48,7 +48,7 @@ from ddp_eval.state._c_reads import read_in_c
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
-from ddp_eval.state._values import ELSEWHERE, Kind, Op, is_number, recipe_names
+from ddp_eval.state._values import ELSEWHERE, Kind, Op, recipe_names
 from ddp_eval.state.attribute_merge import (
     COMPARED_OTHERWISE,
     MergeResult,
@@ -159,6 +159,10 @@ def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str,
                     "keeps one record per container, whichever place a batch changed it through; bind them apart in "
                     "on_stage_start, or change the container in place only"))
 
+
+# what C code reads without a method of the value: a number's, a string's or a tuple's
+# value, a set's entries (a list's and a dict's C readers iterate them: seen)
+_READ_IN_C = (int, float, str, bytes, tuple, set, frozenset)
 
 NAME_WHAT_READS_STEER = True  # tests switch it off to show that it matters
 
@@ -388,12 +392,14 @@ class StageBook:
                     self.metrics.objects))}
 
     def _read_in_c(self) -> set:
-        """The Brain's numbers its batch code reads where no probe sees
-        (:mod:`ddp_eval.state._c_reads`: ``100.0 * self.correct``), once a batch ran."""
+        """The Brain's numbers, strings, tuples and sets its batch code reads where no
+        probe or recording copy sees (:mod:`ddp_eval.state._c_reads`: ``100.0 *
+        self.correct``, ``json.dumps(self.text)``, ``frozenset(self.seen)``), once a
+        batch ran."""
         if not self.metrics.batches:
             return set()
         return {name for name in read_in_c(type(self.brain)) if name in self.attributes.tracks
-                and is_number(getattr(self.brain, name, None))}
+                and isinstance(getattr(self.brain, name, None), _READ_IN_C)}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
         """One process that evaluated every batch: probes out, nothing to merge."""
