@@ -74,10 +74,12 @@ def test_the_scan_finds_right_operands_read_in_c():
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed])
-def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe):
-    """Merged as each rank did it (wrong), so named with the read that steered it."""
-    single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
+def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
+    """Merged as each rank did it (wrong), so named with the read that steered it
+    (a rank without a batch reports no read)."""
+    single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), layout)
     named = set(merged.assumed) | set(merged.conflicts)
     differs = {name for name, want in vars(single).items() if getattr(holders[0], name) != want}
     assert differs and differs <= named, (differs, named)

@@ -507,18 +507,24 @@ class BestAndWorst(toy.AccumulatingBrain):
             self.log[-1]["extremes"] = (self.best_acc, self.lowest_loss, self.most_wrong, dict(self.best_per_label))
 
 
-def builtin_extremes(rank, world_size, ckpt_dir, ddp_eval_opts):
-    """``BestAndWorst`` converted: its log and the warnings this rank logged."""
+def _converted_accumulating(base, ckpt_dir, ddp_eval_opts):
+    """``base`` (an ``AccumulatingBrain``) converted and run: its log and the warnings
+    this rank logged."""
     import logging
 
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("ddp_eval").addHandler(handler)
-    converted = type("Converted", (ddp_eval.DDPEvalMixin, BestAndWorst), {})
+    converted = type("Converted", (ddp_eval.DDPEvalMixin, base), {})
     brain = toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
     out = toy.run_accumulating(brain)
     return {"log": out["log"], "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+
+
+def builtin_extremes(rank, world_size, ckpt_dir, ddp_eval_opts):
+    """``BestAndWorst`` converted: its log and the warnings this rank logged."""
+    return _converted_accumulating(BestAndWorst, ckpt_dir, ddp_eval_opts)
 
 
 class RunningAccuracy(toy.AccumulatingBrain):
@@ -539,13 +545,4 @@ class RunningAccuracy(toy.AccumulatingBrain):
 
 def running_accuracy(rank, world_size, ckpt_dir, ddp_eval_opts):
     """``RunningAccuracy`` converted: its log and the warnings this rank logged."""
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
-    converted = type("Converted", (ddp_eval.DDPEvalMixin, RunningAccuracy), {})
-    brain = toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
-    out = toy.run_accumulating(brain)
-    return {"log": out["log"], "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+    return _converted_accumulating(RunningAccuracy, ckpt_dir, ddp_eval_opts)
