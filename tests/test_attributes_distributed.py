@@ -10,6 +10,7 @@ from tests import toy
 from tests.mp_harness import results, run_ranks
 from tests.workers import (
     BestAndWorst,
+    HeldProgress,
     RunningAccuracy,
     accumulating_recipe,
     builtin_extremes,
@@ -67,16 +68,20 @@ def test_running_extremes_kept_by_the_builtin_max_and_min_equal_one_process_unna
         assert out["warnings"] == [], out["warnings"]
 
 
-def test_a_counter_a_float_reads_in_c_in_a_batch_is_named(tmp_path):
-    """``self.running_acc = 100.0 * self.n_correct / self.n_seen`` in each batch: the
-    float reads the ints where no probe sees, so on a rank it is computed from that
-    rank's batches only. Not merged as if it were one process's: named, with what it
-    steered; the counters themselves stay exact."""
-    single = toy.run_accumulating(toy.build(RunningAccuracy, tmp_path / "plain", epochs=1,
+@pytest.mark.parametrize("recipe,value,read", [
+    (RunningAccuracy, "'running_acc'", "['n_correct', 'n_seen']"),
+    (HeldProgress, "'progress'", "['progress.hits', 'progress.seen']")], ids=["brain", "held-object"])
+def test_a_counter_a_float_reads_in_c_in_a_batch_is_named(recipe, value, read, tmp_path):
+    """``self.running_acc = 100.0 * self.n_correct / self.n_seen`` in each batch, or
+    the same in a method of an object the Brain holds: the float reads the ints where
+    no probe sees, so on a rank it is computed from that rank's batches only. Not
+    merged as if it were one process's: named, with what it steered; the counters
+    themselves stay exact."""
+    single = toy.run_accumulating(toy.build(recipe, tmp_path / "plain", epochs=1,
                                             checkpointer_cls=sb.utils.checkpoints.Checkpointer))
-    per_rank = results(run_ranks(running_accuracy, 2, str(tmp_path / "ddp"), None, timeout=120))
+    per_rank = results(run_ranks(running_accuracy, 2, str(tmp_path / "ddp"), None, recipe.__name__, timeout=120))
     valid = [w for w in per_rank[0]["warnings"] if "VALID" in w]
-    assert len(valid) == 1 and "'running_acc'" in valid[0] and "batches read ['n_correct', 'n_seen']" in valid[0]
+    assert len(valid) == 1 and value in valid[0] and f"batches read {read}" in valid[0], valid
     assert per_rank[0]["log"][0]["running_acc"] != single["log"][0]["running_acc"]  # the naming matters
     assert [out["log"][0]["counters"] for out in per_rank] == [single["log"][0]["counters"]] * 2
 

@@ -1,6 +1,7 @@
 """A float or tensor on the left of a watched number, or C code given it, reads it
 where no probe sees (``100.0 * self.correct``, ``math.sqrt(self.total)``): the batch
-code's bytecode names such reads."""
+code's bytecode names such reads, in the Brain's methods, through a local, in a
+module's function given the Brain, and in the methods of objects it holds."""
 
 import ast
 import json
@@ -10,7 +11,7 @@ import types
 import pytest
 import torch
 
-from ddp_eval.state._c_reads import read_in_c
+from ddp_eval.state._c_reads import field_at, read_in_c, read_in_c_of
 from tests.test_attribute_tracking import simulate
 
 
@@ -65,6 +66,105 @@ class Constant(Counting):
         self.late.append(1 + self.weight)
 
 
+def _running_accuracy(brain, b):  # a module's function a batch gives the Brain
+    brain.running_acc = 100.0 * brain.correct / brain.seen
+
+
+class Aliased(Counting):
+    def _progress(self, b):  # through a local: the float reads the int in C
+        seen = self.seen
+        self.late.append(2.5 * seen)
+
+
+class GivenSelf(Counting):
+    def _progress(self, b):
+        _running_accuracy(self, b)
+
+
+class RunningMean:
+    """An accumulator of the recipe's own, whose method reads its counters in C."""
+
+    def __init__(self, scale=2):
+        self.count, self.total, self.means, self.scale = 0, 0, [], scale
+
+    def update(self, b):
+        self.count += 1
+        self.total += b
+        self.means.append(1.0 * self.total / self.count)
+
+
+class Scaled(RunningMean):
+    def update(self, b):  # reads in C a field no batch changes
+        self.means.append(1.5 * self.scale)
+
+
+class Held(Counting):
+    def __init__(self, accumulator=RunningMean):
+        super().__init__()
+        self.stats = accumulator()
+
+    def _progress(self, b):
+        self.stats.update(b)
+
+
+class Meter(RunningMean):
+    def __call__(self, b):  # an object of the recipe's own, called
+        self.update(b)
+
+
+class Called(Counting):
+    def __init__(self):
+        super().__init__()
+        self.meter = Meter()
+
+    def _progress(self, b):
+        self.meter(b)
+
+
+def _update(stats, b):  # a module's function a batch gives an object the Brain holds
+    stats.update(b)
+
+
+class GivenField(Held):
+    def _progress(self, b):
+        _update(self.stats, b)
+
+
+helpers = types.ModuleType("helpers")  # a module of the recipe's own
+helpers.update = _update
+
+
+class InModule(Held):
+    def _progress(self, b):
+        helpers.update(self.stats, b)
+
+
+class InHparams(Counting):
+    def __init__(self):
+        super().__init__()
+        self.hparams = types.SimpleNamespace(stats=RunningMean())
+
+    def _progress(self, b):
+        stats = self.hparams.stats
+        stats.update(b)
+
+
+def _plain(value):
+    """An object of the recipe's own as its fields, to compare by value."""
+    return {k: _plain(v) for k, v in vars(value).items()} if hasattr(value, "__dict__") else value
+
+
+@pytest.mark.fast
+def test_the_scan_finds_reads_through_locals_functions_and_held_objects():
+    assert read_in_c(Aliased) == {"seen"} and read_in_c(GivenSelf) == {"correct", "seen"}
+    assert read_in_c_of(Held()) == {"stats.count", "stats.total"}
+    assert read_in_c_of(Held(Scaled)) == {"stats.scale"}
+    assert read_in_c_of(Called()) == {"meter.count", "meter.total"}
+    assert read_in_c_of(GivenField()) == {"stats", "stats.count", "stats.total"}  # stats: passed, not a number
+    assert read_in_c_of(InModule()) == read_in_c_of(GivenField())
+    assert read_in_c_of(InHparams()) == {"hparams.stats.count", "hparams.stats.total"}
+
+
 @pytest.mark.fast
 def test_the_scan_finds_right_operands_read_in_c():
     assert read_in_c(Counting) == {"correct", "seen"}
@@ -75,17 +175,20 @@ def test_the_scan_finds_right_operands_read_in_c():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
-@pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed])
+@pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
+                                    InModule, InHparams])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""
     single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), layout)
     named = set(merged.assumed) | set(merged.conflicts)
-    differs = {name for name, want in vars(single).items() if getattr(holders[0], name) != want}
+    differs = {name for name, want in vars(single).items() if _plain(getattr(holders[0], name)) != _plain(want)}
     assert differs and differs <= named, (differs, named)
     why = merged.assumed[sorted(differs)[0]]
     read = why[why.index("batches read [") + len("batches read "): why.index("] when") + 1]
-    assert set(ast.literal_eval(read)) == read_in_c(recipe) and "read accumulated values in on_stage_end" in why
+    brain = recipe()
+    numbers = {label for label in read_in_c_of(brain) if isinstance(field_at(brain, label.split(".")), (int, float))}
+    assert set(ast.literal_eval(read)) == numbers and "read accumulated values in on_stage_end" in why
 
 
 @pytest.mark.fast
@@ -93,6 +196,8 @@ def test_a_number_no_batch_changes_read_in_c_and_reads_after_the_merge_name_noth
     single, holders, merged = simulate(Constant, lambda h, b: h.compute_objectives(b), [[0, 2, 4], [1, 3, 5]])
     assert not merged.assumed and all(vars(h) == vars(single) for h in holders)
     assert all(h.on_stage_end() == single.on_stage_end() for h in holders)
+    single, holders, merged = simulate(lambda: Held(Scaled), lambda h, b: h.compute_objectives(b), [[0, 2], [1]])
+    assert not merged.assumed and all(vars(h.stats) == vars(single.stats) for h in holders)
     single, holders, merged = simulate(Extreme, lambda h, b: h.compute_objectives(b), [[0, 2, 4], [1, 3, 5]])
     assert not merged.assumed and all(h.low == single.low == 0 for h in holders)
 

@@ -123,3 +123,16 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
     assert run_program(program, owners, 3)[2] == set()
     monkeypatch.setattr(_slot_changes, "CHOICES", False)
     assert {"best", "low", "best_by"} <= {label.split("[")[0] for label in run_program(program, owners, 3)[2]}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("operation", ["read in C through a local", "read in C by a function given self",
+                                       "read in C by a held object's method",
+                                       "read in C by a function given a field"])
+def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
+    """``2.5 * count`` through a local, a module's function given the Brain, a held
+    object's method: a float reads a watched int in C, where no probe sees it. Without
+    the scan of the batch code, hypothesis finds a program silently wrong."""
+    from ddp_eval.state import bookkeeping
+
+    _fails_when_switched_off(monkeypatch, bookkeeping, "SCAN_C_READS", [operation])

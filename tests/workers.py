@@ -543,6 +543,38 @@ class RunningAccuracy(toy.AccumulatingBrain):
             self.log[-1]["running_acc"] = self.running_acc
 
 
-def running_accuracy(rank, world_size, ckpt_dir, ddp_eval_opts):
-    """``RunningAccuracy`` converted: its log and the warnings this rank logged."""
-    return _converted_accumulating(RunningAccuracy, ckpt_dir, ddp_eval_opts)
+class Progress:
+    """The recipe's own progress meter; its ``update`` reads its ints in C."""
+
+    def __init__(self):
+        self.hits, self.seen = 0, 0
+
+    def update(self, hits, seen):
+        self.hits += hits
+        self.seen += seen
+        self.rate = 100.0 * self.hits / self.seen
+
+
+class HeldProgress(toy.AccumulatingBrain):
+    """``RunningAccuracy`` kept by an object of the recipe's own, made per stage."""
+
+    def on_stage_start(self, stage, epoch=None):
+        super().on_stage_start(stage, epoch)
+        self.progress = Progress()
+
+    def compute_objectives(self, logits, batch, stage):
+        if stage != sb.Stage.TRAIN:
+            hits = int((logits.argmax(-1) == batch.label.data[:, 0]).sum())
+            self.progress.update(hits, len(batch.id))
+        return super().compute_objectives(logits, batch, stage)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        super().on_stage_end(stage, stage_loss, epoch)
+        if stage != sb.Stage.TRAIN:
+            self.log[-1]["running_acc"] = self.progress.rate
+
+
+def running_accuracy(rank, world_size, ckpt_dir, ddp_eval_opts, recipe="RunningAccuracy"):
+    """``RunningAccuracy`` (or ``HeldProgress``) converted: its log and the warnings
+    this rank logged."""
+    return _converted_accumulating(globals()[recipe], ckpt_dir, ddp_eval_opts)

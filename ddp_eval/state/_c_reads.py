@@ -1,20 +1,28 @@
-"""Finding the Brain's numbers that its batch code reads where no probe can see.
+"""Finding the numbers a batch's code reads where no probe can see.
 
 A probe is a subclass of ``int`` or ``float`` (:mod:`ddp_eval.state._numbers`):
 ``self.n * 2.0``, ``k + self.n`` and ``self.x < 0.5`` call its methods, but a
 float on the left of a watched ``int`` (``100.0 * self.correct``, ``2.5 <
 self.total``), or a tensor or array on the left of either (``loss * self.n``),
-reads it in C without calling any. This module scans the bytecode of the methods
-a batch runs (``compute_forward``, ``compute_objectives``, ``evaluate_batch`` and
-the Brain's own methods they call, with their nested functions) for an attribute
-of ``self`` read as the right operand of an arithmetic operator or a comparison,
-whose left operand is neither another attribute of ``self`` (whose probe then sees
-it) nor a constant that calls its methods, and for one passed to a call
-(``math.sqrt(self.total)``, ``torch.tensor(self.x)``: C code takes the value of a
-float or int subclass directly), but for the builtin ``max`` or ``min`` the merge
-replays as a choice. Such a read is taken as a read of the
-value whole: if batches change the value, it is named with what they may have
-computed from it.
+reads it in C without calling any. This module scans the bytecode of the code
+a batch runs for a field of ``self`` (``self.n``, ``self.stats.count``, or a local
+bound to one: ``seen = self.seen``) read as the right operand of an arithmetic
+operator or a comparison, whose left operand is neither another field of
+``self`` (whose probe then sees it) nor a constant that calls its methods, and
+for one passed to a call (``math.sqrt(self.total)``, ``torch.tensor(self.x)``: C
+code takes the value of a float or int subclass directly), but for the builtin
+``max`` or ``min`` the merge replays as a choice.
+
+The code scanned, with its nested functions: ``compute_forward``,
+``compute_objectives`` and ``evaluate_batch``; the methods they call on
+``self``; the functions of the recipe's modules they give ``self`` or a field of
+it (``update(self.stats, x)``: each parameter taken for the value given, a read
+of ``stats.count`` as one of ``self.stats.count``); the methods they call on the
+objects the Brain holds, or the objects called (``self.stats.update(x)``,
+``self.hparams.meter(x)``, :func:`read_in_c_of`). What is reached otherwise (an
+entry's method, ``self.per_key[k].update(x)``, a function found at run time, a
+library's code) is not. Such a read is taken as a read of the value whole: if
+batches change the value, it is named with what they may have computed from it.
 
 Example
 -------
@@ -33,8 +41,10 @@ Example
 
 import dis
 import functools
+import os
+import sys
 import types
-from typing import FrozenSet, Iterator, List, Optional, Set
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ddp_eval.state._select import JUMPS, choice_at, stack_effect
 
@@ -44,26 +54,117 @@ _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
 _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflected method (an int's: its own)
 _CALLS = ("PRECALL", "CALL", "CALL_FUNCTION_EX")
 _TWO_IN = ("BINARY_OP", "COMPARE_OP", "BINARY_SUBSCR", "CONTAINS_OP", "IS_OP")  # take two, give one
+_DEPTH = 4  # objects held in objects: how deep method calls are followed
+_LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain", "ddp_eval"}
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-in's methods are not the recipe's
+
+Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
+
+
+def read_in_c(owner_class: type, methods: Tuple[str, ...] = BATCH_METHODS) -> FrozenSet[str]:
+    """Names of ``self``'s attributes that ``methods`` of ``owner_class`` (and what they
+    call) read as the right operand of an operator whose left operand may read them
+    in C, or pass to a call."""
+    return _scan(owner_class, methods)[0]
+
+
+def read_in_c_of(brain: Any) -> Set[str]:
+    """:func:`read_in_c` of ``brain``'s batch methods, and of the methods they call on
+    the objects ``brain`` holds, as labels (``correct``, ``stats.count``).
+
+    Example
+    -------
+    >>> class Stats:
+    ...     def __init__(self):
+    ...         self.count, self.rates = 0, []
+    ...     def update(self, x):
+    ...         self.count += 1
+    ...         self.rates.append(x / self.count)
+    >>> class Recipe:
+    ...     def __init__(self):
+    ...         self.stats = Stats()
+    ...     def compute_objectives(self, predictions, batch, stage):
+    ...         self.stats.update(2.5)
+    >>> sorted(read_in_c_of(Recipe()))
+    ['stats.count']
+    """
+    found: Set[str] = set()
+    pending: List[Tuple[Tuple[str, ...], Any, Tuple[str, ...]]] = [((), brain, BATCH_METHODS)]
+    done: Set[Tuple[type, Tuple[str, ...]]] = set()
+    while pending:
+        path, owner, methods = pending.pop()
+        if (type(owner), methods) in done or len(path) > _DEPTH:
+            continue
+        done.add((type(owner), methods))
+        reads, calls = _scan(type(owner), methods)
+        found |= {".".join((*path, name)) for name in reads}
+        for fields, method in calls:
+            target = field_at(owner, fields)
+            function = getattr(type(target), method, None)
+            if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
+                fields, target, method = (*fields, method), field_at(target, (method,)), "__call__"
+                function = getattr(type(target), method, None)
+            elif not fields:
+                continue  # a method of the owner's own: scanned with it
+            if isinstance(function, types.FunctionType) and not function.__code__.co_filename.startswith(_OURS):
+                pending.append(((*path, *fields), target, (method,)))
+    return found
+
+
+def field_at(owner: Any, fields: Sequence[str]) -> Any:
+    """``owner.a.b`` for ``fields`` ``("a", "b")``, from the objects' ``__dict__``
+    (no property runs); None where one is missing."""
+    for name in fields:
+        owner = getattr(owner, "__dict__", {}).get(name)
+    return owner
 
 
 @functools.lru_cache(maxsize=256)
-def read_in_c(brain_class: type) -> FrozenSet[str]:
-    """Names of ``self``'s attributes the batch methods of ``brain_class`` read as the
-    right operand of an operator whose left operand may read them in C."""
-    found: Set[str] = set()
-    done: Set[types.CodeType] = set()
-    pending = [getattr(brain_class, name) for name in BATCH_METHODS if hasattr(brain_class, name)]
+def _scan(owner_class: type, methods: Tuple[str, ...]) -> Tuple[FrozenSet[str], Calls]:
+    """(attributes read in C, methods called on the fields of ``self``) by ``methods``
+    and the methods of ``owner_class`` they call."""
+    reads: Set[str] = set()
+    calls: Set[Tuple[Tuple[str, ...], str]] = set()
+    pending, done = list(methods), set()
     while pending:
-        code = getattr(pending.pop(), "__code__", None)
-        if code is None or code in done or not code.co_varnames:
+        name = pending.pop()
+        function = getattr(owner_class, name, None)
+        if name in done or not isinstance(function, types.FunctionType):
             continue
-        this = code.co_varnames[0]
-        for each in _with_nested(code):
-            done.add(each)
-            found |= _right_operands(each, this) | _call_arguments(each, this)
-            pending += [getattr(brain_class, name) for name in _own_calls(each, this)
-                        if isinstance(getattr(brain_class, name, None), types.FunctionType)]
-    return frozenset(found)
+        done.add(name)
+        found, called = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
+        reads |= found
+        pending += [name for name in found if isinstance(getattr(owner_class, name, None), types.FunctionType)]
+        for fields, method in called:
+            if not fields and isinstance(getattr(owner_class, method, None), types.FunctionType):
+                pending.append(method)  # self.helper(...)
+            else:
+                calls.add((fields, method))
+    return frozenset(reads), frozenset(calls)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth: int) -> Tuple[FrozenSet[str],
+                                                                                                 Calls]:
+    """(paths read in C, methods called) of the objects named ``selves`` in
+    ``function``, its nested functions, and the module's functions it gives them
+    (``update_stats(self.stats, x)``: read as ``stats.count``), ``depth`` calls deep."""
+    reads: Set[str] = set()
+    calls: Set[Tuple[Tuple[str, ...], str]] = set()
+    if not selves:
+        return frozenset(), frozenset()
+    for code in _with_nested(function.__code__):
+        instructions = list(dis.get_instructions(code))
+        loads = _attribute_loads(instructions, selves)
+        reads |= _right_operands(instructions, loads) | _call_arguments(code, instructions, loads)
+        calls |= _field_calls(instructions, loads, selves)
+        for path in _given(instructions, loads, selves) if depth else ():
+            for given in _module_functions(instructions, function.__globals__):
+                found, called = _scan_function(given, given.__code__.co_varnames[:given.__code__.co_argcount],
+                                               depth - 1)
+                reads |= {f"{path}.{read}" if path else read for read in found}
+                calls |= {((*path.split("."), *fields) if path else fields, method) for fields, method in called}
+    return frozenset(reads), frozenset(calls)
 
 
 def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -73,37 +174,92 @@ def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _with_nested(constant)
 
 
-def _right_operands(code: types.CodeType, this: str) -> Set[str]:
-    instructions = list(dis.get_instructions(code))
+def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...]) -> Dict[int, Tuple[int, str]]:
+    """Index of each instruction that pushes a field of ``self`` -> (index of the load
+    it starts from, its path): ``self.n`` and ``self.stats.count`` (``n``,
+    ``stats.count``), or through a local bound to one (``stats = self.stats``;
+    ``stats.count``)."""
+    def chains(starts: Dict[int, str]) -> Dict[int, Tuple[int, str]]:
+        found = {}
+        for start, path in starts.items():
+            end = start
+            while end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_ATTR":
+                end += 1
+                path = f"{path}.{instructions[end].argval}" if path else instructions[end].argval
+            if path:
+                found[end] = (start, path)
+        return found
+    starts = {i: "" for i, instruction in enumerate(instructions)
+              if instruction.opname in _SELF_LOADS and instruction.argval in selves}
+    aliases = {instructions[end + 1].argval: path for end, (_, path) in chains(starts).items()
+               if end + 1 < len(instructions) and instructions[end + 1].opname == "STORE_FAST"}
+    starts.update({i: aliases[instruction.argval] for i, instruction in enumerate(instructions)
+                   if instruction.opname == "LOAD_FAST" and instruction.argval in aliases})
+    return chains(starts)
+
+
+def _right_operands(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]]) -> Set[str]:
     found = set()
-    for i in range(3, len(instructions)):
-        operator, name, owner, left = instructions[i], instructions[i - 1], instructions[i - 2], instructions[i - 3]
-        if operator.opname not in _OPERATORS or name.opname != "LOAD_ATTR" or owner.opname not in _SELF_LOADS \
-                or owner.argval != this:
+    for end, (start, path) in loads.items():
+        if end + 1 >= len(instructions) or instructions[end + 1].opname not in _OPERATORS or start < 1:
             continue
-        if left.opname == "LOAD_CONST" and isinstance(left.argval, _SEEN_CONSTANTS):
-            continue
-        if left.opname == "LOAD_ATTR" and instructions[i - 4].opname in _SELF_LOADS \
-                and instructions[i - 4].argval == this:
-            continue  # self.x + self.n: x's probe sees n as its operand
-        found.add(name.argval)
+        left = instructions[start - 1]
+        if start - 1 in loads or (left.opname == "LOAD_CONST" and isinstance(left.argval, _SEEN_CONSTANTS)):
+            continue  # self.x + self.n: x's probe sees n as its operand; 2 * self.n: n's reflected method
+        found.add(path)
     return found
 
 
-def _call_arguments(code: types.CodeType, this: str) -> Set[str]:
-    """Attributes of ``self`` passed to a call (``math.sqrt(self.total)``,
+def _call_arguments(code: types.CodeType, instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]]
+                    ) -> Set[str]:
+    """Fields of ``self`` passed to a call (``math.sqrt(self.total)``,
     ``torch.tensor(self.x)``: C code takes a float's value without calling the
     probe's methods), but for a running extreme the merge replays as a choice
     (``self.low = min(s, self.low)``, :mod:`ddp_eval.state._select`)."""
-    instructions = list(dis.get_instructions(code))
     found = set()
-    for i in range(1, len(instructions)):
-        name, owner = instructions[i], instructions[i - 1]
-        if name.opname != "LOAD_ATTR" or owner.opname not in _SELF_LOADS or owner.argval != this:
-            continue
-        taker = _taker(instructions, i)
+    for end, (_, path) in loads.items():
+        taker = _taker(instructions, end)
         if taker is not None and instructions[taker].opname in _CALLS and not _is_choice(code, instructions, taker):
-            found.add(name.argval)
+            found.add(path)
+    return found
+
+
+def _field_calls(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]], selves: Tuple[str, ...]
+                 ) -> Set[Tuple[Tuple[str, ...], str]]:
+    """Methods called on ``self`` and the objects it holds: ``self.meter(x)``,
+    ``self.stats.update(x)`` and ``self.hparams.stats.update(x)`` give ``((),
+    "meter")``, ``(("stats",), "update")`` and ``(("hparams", "stats"), "update")``."""
+    ends = {**{i: "" for i, instruction in enumerate(instructions)
+               if instruction.opname in _SELF_LOADS and instruction.argval in selves},
+            **{end: path for end, (_, path) in loads.items()}}
+    return {(tuple(path.split(".")) if path else (), instructions[end + 1].argval) for end, path in ends.items()
+            if end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_METHOD"}
+
+
+def _given(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]], selves: Tuple[str, ...]
+           ) -> Set[str]:
+    """Paths of ``self`` (``""`` for ``self`` itself) passed to a call."""
+    ends = {**{i: "" for i, instruction in enumerate(instructions[:-1])
+               if instruction.opname in _SELF_LOADS and instruction.argval in selves
+               and instructions[i + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")},
+            **{end: path for end, (_, path) in loads.items()}}
+    return {path for end, path in ends.items()
+            if (taker := _taker(instructions, end)) is not None and instructions[taker].opname in _CALLS}
+
+
+def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]) -> List[types.FunctionType]:
+    """The functions of the recipe's modules the code loads (``update(...)``,
+    ``helpers.update(...)``): each may be the one a value is given to. A library's
+    (Python's own, torch, NumPy, SpeechBrain) holds none of the recipe's state."""
+    found = []
+    for at, instruction in enumerate(instructions[:-1]):
+        if instruction.opname != "LOAD_GLOBAL":
+            continue
+        value = names.get(instruction.argval)
+        if isinstance(value, types.ModuleType) and instructions[at + 1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            value = getattr(value, instructions[at + 1].argval, None)
+        if isinstance(value, types.FunctionType) and (value.__module__ or "").split(".")[0] not in _LIBRARIES:
+            found.append(value)
     return found
 
 
@@ -127,10 +283,3 @@ def _taker(instructions: List[dis.Instruction], at: int) -> Optional[int]:
 def _is_choice(code: types.CodeType, instructions: List[dis.Instruction], taker: int) -> bool:
     call = next((i for i in instructions[taker:] if i.opname == "CALL"), None)  # Python 3.11: after its PRECALL
     return call is not None and choice_at(code, call.offset) is not None
-
-
-def _own_calls(code: types.CodeType, this: str) -> Set[str]:
-    """Methods called on ``self`` (``self.helper(...)``)."""
-    instructions = list(dis.get_instructions(code))
-    return {b.argval for a, b in zip(instructions, instructions[1:])
-            if a.opname in _SELF_LOADS and a.argval == this and b.opname in ("LOAD_METHOD", "LOAD_ATTR")}

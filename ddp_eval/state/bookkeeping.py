@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 
 from ddp_eval.state._aliases import SharedCopies
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
-from ddp_eval.state._c_reads import read_in_c
+from ddp_eval.state._c_reads import field_at, read_in_c_of
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
@@ -165,6 +165,7 @@ def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str,
 _READ_IN_C = (int, float, str, bytes, tuple, set, frozenset)
 
 NAME_WHAT_READS_STEER = True  # tests switch it off to show that it matters
+SCAN_C_READS = True  # as this one
 
 
 def _changed(result: MergeResult) -> set:
@@ -187,8 +188,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     steering = sorted({top_label(label) for label, why in result.assumed.items() if why == COMPARED_OTHERWISE})
     steering += sorted({label for report in reports for label in report.get("whole_reads", ()) if label in changed}
                        - set(steering))
-    steering += sorted({label for report in reports for label in report.get("c_reads", ())} & changed
-                       - set(steering))  # read in C (100.0 * self.correct) by the batch code, whenever it ran
+    steering += sorted({label for report in reports for label in report.get("c_reads", ())
+                        if _changed_at(result, label, changed)} - set(steering))  # read in C: 100.0 * self.correct
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)} | {
         top_label(label) for report in reports for label in report.get("unmergeable", ())}
     steering += sorted({label for report in reports for label in report.get("absent_reads", ()) if label in named}
@@ -211,6 +212,25 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)}
     for label in sorted({label for report in reports for label in report.get("watched", ())} - named):
         result.assumed[label] = why
+
+
+def _changed_at(result: MergeResult, label: str, changed: set) -> bool:
+    """Whether batches changed the value at ``label`` (``n``; ``stats.count``, a field
+    of an object an attribute holds): the attribute's merge, walked field by field."""
+    if top_label(label) not in changed:
+        return False
+    held = next((key for key in result.merged if label == key or label.startswith(key + ".")), None)
+    if held is None:
+        return True  # named
+    kind, data = result.merged[held]
+    for field in label[len(held) + 1:].split(".") if label != held else ():
+        if kind is not Kind.KEYS:
+            return True  # bound anew
+        _, entries, taken = data
+        if field not in entries:
+            return field in taken
+        kind, data = entries[field]
+    return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
 
 
 def of_a_module(label: str, modules: Iterable[str]) -> bool:
@@ -396,10 +416,11 @@ class StageBook:
         probe or recording copy sees (:mod:`ddp_eval.state._c_reads`: ``100.0 *
         self.correct``, ``json.dumps(self.text)``, ``frozenset(self.seen)``), once a
         batch ran."""
-        if not self.metrics.batches:
+        if not self.metrics.batches or not SCAN_C_READS:
             return set()
-        return {name for name in read_in_c(type(self.brain)) if name in self.attributes.tracks
-                and isinstance(getattr(self.brain, name, None), _READ_IN_C)}
+        tracks = self.attributes.tracks
+        return {label for label in read_in_c_of(self.brain) if of_a_module(label, tracks)
+                and isinstance(field_at(self.brain, label.split(".")), _READ_IN_C)}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
         """One process that evaluated every batch: probes out, nothing to merge."""
