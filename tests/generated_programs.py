@@ -246,6 +246,7 @@ class Brain:
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
         self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list))
         self.c_count, self.c_reads, self.meter = 0, [], Meter()  # read in C by compute_objectives
+        self.c_by_key, self.meters = {0: 0, 1: 0}, {0: Meter(), 1: Meter()}
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -261,6 +262,11 @@ class Brain:
             _count_in_c(self, b)
         elif read == "function given a field":
             _update_meter(self.meter, b)
+        elif read == "entry":
+            self.c_by_key[b % 2] += 1
+            self.c_reads.append(0.5 * self.c_by_key[b % 2])
+        elif read == "held in a dict":
+            self.meters[b % 2].update(value(b))
         else:
             self.meter.update(value(b))
 
@@ -438,6 +444,8 @@ def _fixed():
         "read in C by a function given self": lambda h, b: h.compute_objectives(b, "function"),
         "read in C by a held object's method": lambda h, b: h.compute_objectives(b, "held"),
         "read in C by a function given a field": lambda h, b: h.compute_objectives(b, "function given a field"),
+        "a dict's int entry read in C": lambda h, b: h.compute_objectives(b, "entry"),
+        "read in C by a method of an object in a dict": lambda h, b: h.compute_objectives(b, "held in a dict"),
         "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
         "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),
         "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from ddp_eval.state._c_reads import field_at, read_in_c, read_in_c_of
+from ddp_eval.state._c_reads import parts, read_in_c, read_in_c_of, values_at
 from tests.test_attribute_tracking import simulate
 
 
@@ -130,6 +130,28 @@ class GivenField(Held):
         _update(self.stats, b)
 
 
+class PerKey(Counting):
+    """Objects of the recipe's own held in a dict, or a list, one updated per batch."""
+
+    def __init__(self, accumulator=RunningMean, container=dict):
+        super().__init__()
+        self.per_key = container([accumulator(), accumulator()]) if container is list else {0: accumulator(),
+                                                                                              1: accumulator()}
+
+    def _progress(self, b):
+        self.per_key[b % 2].update(b)
+
+
+class Counted(Counting):
+    def __init__(self):
+        super().__init__()
+        self.counts = {"a": 0}
+
+    def _progress(self, b):  # a dict's entry, an int, read in C after the batch changed it
+        self.counts["a"] += 1
+        self.late.append(100.0 * self.counts["a"])
+
+
 helpers = types.ModuleType("helpers")  # a module of the recipe's own
 helpers.update = _update
 
@@ -151,6 +173,8 @@ class InHparams(Counting):
 
 def _plain(value):
     """An object of the recipe's own as its fields, to compare by value."""
+    if isinstance(value, (dict, list)):
+        return {k: _plain(v) for k, v in (value.items() if isinstance(value, dict) else enumerate(value))}
     return {k: _plain(v) for k, v in vars(value).items()} if hasattr(value, "__dict__") else value
 
 
@@ -162,6 +186,8 @@ def test_the_scan_finds_reads_through_locals_functions_and_held_objects():
     assert read_in_c_of(Called()) == {"meter.count", "meter.total"}
     assert read_in_c_of(GivenField()) == {"stats", "stats.count", "stats.total"}  # stats: passed, not a number
     assert read_in_c_of(InModule()) == read_in_c_of(GivenField())
+    assert read_in_c_of(PerKey()) == read_in_c_of(PerKey(container=list)) == {"per_key[*].count", "per_key[*].total"}
+    assert read_in_c(Counted) == {"counts[*]"}
     assert read_in_c_of(InHparams()) == {"hparams.stats.count", "hparams.stats.total"}
 
 
@@ -176,7 +202,7 @@ def test_the_scan_finds_right_operands_read_in_c():
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
-                                    InModule, InHparams])
+                                    InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""
@@ -187,7 +213,8 @@ def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     why = merged.assumed[sorted(differs)[0]]
     read = why[why.index("batches read [") + len("batches read "): why.index("] when") + 1]
     brain = recipe()
-    numbers = {label for label in read_in_c_of(brain) if isinstance(field_at(brain, label.split(".")), (int, float))}
+    numbers = {label for label in read_in_c_of(brain)
+               if any(isinstance(value, (int, float)) for value in values_at(brain, parts(label)))}
     assert set(ast.literal_eval(read)) == numbers and "read accumulated values in on_stage_end" in why
 
 
@@ -198,6 +225,8 @@ def test_a_number_no_batch_changes_read_in_c_and_reads_after_the_merge_name_noth
     assert all(h.on_stage_end() == single.on_stage_end() for h in holders)
     single, holders, merged = simulate(lambda: Held(Scaled), lambda h, b: h.compute_objectives(b), [[0, 2], [1]])
     assert not merged.assumed and all(vars(h.stats) == vars(single.stats) for h in holders)
+    single, holders, merged = simulate(lambda: PerKey(Scaled), lambda h, b: h.compute_objectives(b), [[0, 1], [2]])
+    assert not merged.assumed and all(_plain(h.per_key) == _plain(single.per_key) for h in holders)
     single, holders, merged = simulate(Extreme, lambda h, b: h.compute_objectives(b), [[0, 2, 4], [1, 3, 5]])
     assert not merged.assumed and all(h.low == single.low == 0 for h in holders)
 

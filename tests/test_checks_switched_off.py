@@ -128,7 +128,8 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
 @pytest.mark.fast
 @pytest.mark.parametrize("operation", ["read in C through a local", "read in C by a function given self",
                                        "read in C by a held object's method",
-                                       "read in C by a function given a field"])
+                                       "read in C by a function given a field", "a dict's int entry read in C",
+                                       "read in C by a method of an object in a dict"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without

@@ -39,9 +39,11 @@ Example
 ['correct', 'seen', 'squares']
 """
 
+import collections
 import dis
 import functools
 import os
+import re
 import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
@@ -58,6 +60,7 @@ _DEPTH = 4  # objects held in objects: how deep method calls are followed
 _LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain", "ddp_eval"}
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-in's methods are not the recipe's
 
+ENTRY = "[*]"  # in a path: any entry of a container
 Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 
 
@@ -90,33 +93,49 @@ def read_in_c_of(brain: Any) -> Set[str]:
     """
     found: Set[str] = set()
     pending: List[Tuple[Tuple[str, ...], Any, Tuple[str, ...]]] = [((), brain, BATCH_METHODS)]
-    done: Set[Tuple[type, Tuple[str, ...]]] = set()
+    done: Set[Tuple[Tuple[str, ...], type, Tuple[str, ...]]] = set()
     while pending:
         path, owner, methods = pending.pop()
-        if (type(owner), methods) in done or len(path) > _DEPTH:
+        if (path, type(owner), methods) in done or len(path) > _DEPTH:
             continue
-        done.add((type(owner), methods))
+        done.add((path, type(owner), methods))
         reads, calls = _scan(type(owner), methods)
-        found |= {".".join((*path, name)) for name in reads}
+        found |= {label_of((*path, *parts(name))) for name in reads}
         for fields, method in calls:
-            target = field_at(owner, fields)
-            function = getattr(type(target), method, None)
-            if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
-                fields, target, method = (*fields, method), field_at(target, (method,)), "__call__"
-                function = getattr(type(target), method, None)
-            elif not fields:
-                continue  # a method of the owner's own: scanned with it
-            if isinstance(function, types.FunctionType) and not function.__code__.co_filename.startswith(_OURS):
-                pending.append(((*path, *fields), target, (method,)))
+            for target in values_at(owner, fields):
+                place, name, function = fields, method, getattr(type(target), method, None)
+                if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
+                    place, name, target = (*fields, method), "__call__", getattr(target, "__dict__", {}).get(method)
+                    function = getattr(type(target), name, None)
+                elif not fields:
+                    continue  # a method of the owner's own: scanned with it
+                if isinstance(function, types.FunctionType) and not function.__code__.co_filename.startswith(_OURS):
+                    pending.append(((*path, *place), target, (name,)))
     return found
 
 
-def field_at(owner: Any, fields: Sequence[str]) -> Any:
-    """``owner.a.b`` for ``fields`` ``("a", "b")``, from the objects' ``__dict__``
-    (no property runs); None where one is missing."""
-    for name in fields:
-        owner = getattr(owner, "__dict__", {}).get(name)
-    return owner
+def parts(label: str) -> Tuple[str, ...]:
+    """``per_key[*].count`` -> ``("per_key", "[*]", "count")``."""
+    return tuple(re.findall(r"\[\*\]|[^.\[\]]+", label))
+
+
+def label_of(path: Sequence[str]) -> str:
+    """:func:`parts` undone."""
+    return "".join(part if part == ENTRY or not at else f".{part}" for at, part in enumerate(path))
+
+
+def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
+    """The values at ``path`` (:func:`parts`) from ``owner``: fields from the objects'
+    ``__dict__`` (no property runs), ``[*]`` every entry of a dict, list, tuple or
+    deque; none where one is missing."""
+    found = [owner]
+    for part in path:
+        if part == ENTRY:
+            found = [entry for value in found if isinstance(value, (dict, list, tuple, collections.deque))
+                     for entry in list(value.values() if isinstance(value, dict) else value)]
+        else:
+            found = [vars(value)[part] for value in found if part in getattr(value, "__dict__", ())]
+    return found
 
 
 @functools.lru_cache(maxsize=256)
@@ -162,8 +181,8 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
             for given in _module_functions(instructions, function.__globals__):
                 found, called = _scan_function(given, given.__code__.co_varnames[:given.__code__.co_argcount],
                                                depth - 1)
-                reads |= {f"{path}.{read}" if path else read for read in found}
-                calls |= {((*path.split("."), *fields) if path else fields, method) for fields, method in called}
+                reads |= {label_of((*parts(path), *parts(read))) for read in found}
+                calls |= {((*parts(path), *fields), method) for fields, method in called}
     return frozenset(reads), frozenset(calls)
 
 
@@ -176,16 +195,21 @@ def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:
 
 def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...]) -> Dict[int, Tuple[int, str]]:
     """Index of each instruction that pushes a field of ``self`` -> (index of the load
-    it starts from, its path): ``self.n`` and ``self.stats.count`` (``n``,
-    ``stats.count``), or through a local bound to one (``stats = self.stats``;
-    ``stats.count``)."""
+    it starts from, its path): ``self.n``, ``self.stats.count`` and
+    ``self.per_key[k].count`` (``n``, ``stats.count``, ``per_key[*].count``), or
+    through a local bound to one (``stats = self.stats``; ``stats.count``)."""
     def chains(starts: Dict[int, str]) -> Dict[int, Tuple[int, str]]:
         found = {}
         for start, path in starts.items():
             end = start
-            while end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_ATTR":
-                end += 1
-                path = f"{path}.{instructions[end].argval}" if path else instructions[end].argval
+            while True:
+                while end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_ATTR":
+                    end += 1
+                    path = f"{path}.{instructions[end].argval}" if path else instructions[end].argval
+                taker, above = _take(instructions, end)
+                if not path or taker is None or instructions[taker].opname != "BINARY_SUBSCR" or above != 2:
+                    break
+                end, path = taker, f"{path}{ENTRY}"  # the container subscripted: one of its entries
             if path:
                 found[end] = (start, path)
         return found
@@ -232,7 +256,7 @@ def _field_calls(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int
     ends = {**{i: "" for i, instruction in enumerate(instructions)
                if instruction.opname in _SELF_LOADS and instruction.argval in selves},
             **{end: path for end, (_, path) in loads.items()}}
-    return {(tuple(path.split(".")) if path else (), instructions[end + 1].argval) for end, path in ends.items()
+    return {(parts(path), instructions[end + 1].argval) for end, path in ends.items()
             if end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_METHOD"}
 
 
@@ -266,18 +290,24 @@ def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]
 def _taker(instructions: List[dis.Instruction], at: int) -> Optional[int]:
     """The index of the instruction that takes the value ``at`` pushed off the stack
     (None past a jump or the end)."""
+    return _take(instructions, at)[0]
+
+
+def _take(instructions: List[dis.Instruction], at: int) -> Tuple[Optional[int], int]:
+    """:func:`_taker`, and how many values from the taken one up it takes (1: the
+    value is its last operand; 2: the one before, as a subscript's container)."""
     above = 1  # the value and what lies above it
     for index in range(at + 1, len(instructions)):
         instruction = instructions[index]
         if instruction.opcode in JUMPS:
-            return None
+            return None, above
         effect = stack_effect(instruction)
         if above + effect <= 0 or (instruction.opname in _TWO_IN and above <= 2) or (
                 above == 1 and effect >= 0 and instruction.opname not in ("KW_NAMES", "NOP", "CACHE")
                 and not instruction.opname.startswith(("LOAD_", "PUSH_", "BUILD_", "COPY", "MAKE_"))):
-            return index
+            return index, above
         above += effect
-    return None
+    return None, above
 
 
 def _is_choice(code: types.CodeType, instructions: List[dis.Instruction], taker: int) -> bool:

@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 
 from ddp_eval.state._aliases import SharedCopies
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
-from ddp_eval.state._c_reads import field_at, read_in_c_of
+from ddp_eval.state._c_reads import ENTRY, parts, read_in_c_of, values_at
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
@@ -216,21 +216,28 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
 
 def _changed_at(result: MergeResult, label: str, changed: set) -> bool:
     """Whether batches changed the value at ``label`` (``n``; ``stats.count``, a field
-    of an object an attribute holds): the attribute's merge, walked field by field."""
+    of an object an attribute holds; ``per_key[*].count``, of any entry): the
+    attribute's merge, walked field by field."""
     if top_label(label) not in changed:
         return False
-    held = next((key for key in result.merged if label == key or label.startswith(key + ".")), None)
+    held = next((key for key in result.merged if label == key or label.startswith((key + ".", key + ENTRY))), None)
     if held is None:
         return True  # named
-    kind, data = result.merged[held]
-    for field in label[len(held) + 1:].split(".") if label != held else ():
-        if kind is not Kind.KEYS:
-            return True  # bound anew
-        _, entries, taken = data
-        if field not in entries:
-            return field in taken
-        kind, data = entries[field]
-    return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
+    return _changed_below(result.merged[held], parts(label[len(held):]))
+
+
+def _changed_below(merged: Tuple[Kind, Any], path: Sequence[str]) -> bool:
+    kind, data = merged
+    if not path:
+        return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
+    if kind is not Kind.KEYS:
+        return True  # bound anew, or an entry of a list: changed
+    _, entries, taken = data
+    if path[0] == ENTRY:
+        return bool(taken) or any(_changed_below(entry, path[1:]) for entry in entries.values())
+    if path[0] not in entries:
+        return path[0] in taken
+    return _changed_below(entries[path[0]], path[1:])
 
 
 def of_a_module(label: str, modules: Iterable[str]) -> bool:
@@ -419,8 +426,8 @@ class StageBook:
         if not self.metrics.batches or not SCAN_C_READS:
             return set()
         tracks = self.attributes.tracks
-        return {label for label in read_in_c_of(self.brain) if of_a_module(label, tracks)
-                and isinstance(field_at(self.brain, label.split(".")), _READ_IN_C)}
+        return {label for label in read_in_c_of(self.brain) if of_a_module(label.split(ENTRY)[0], tracks)
+                and any(isinstance(value, _READ_IN_C) for value in values_at(self.brain, parts(label)))}
 
     def finish_alone(self, positions: Sequence[int]) -> None:
         """One process that evaluated every batch: probes out, nothing to merge."""
