@@ -57,7 +57,7 @@ _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflec
 _CALLS = ("PRECALL", "CALL", "CALL_FUNCTION_EX")
 _TWO_IN = ("BINARY_OP", "COMPARE_OP", "BINARY_SUBSCR", "CONTAINS_OP", "IS_OP")  # take two, give one
 _DEPTH = 4  # objects held in objects: how deep method calls are followed
-_LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain", "ddp_eval"}
+_LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain"}
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-in's methods are not the recipe's
 
 ENTRY = "[*]"  # in a path: any entry of a container
@@ -109,7 +109,7 @@ def read_in_c_of(brain: Any) -> Set[str]:
                     function = getattr(type(target), name, None)
                 elif not fields:
                     continue  # a method of the owner's own: scanned with it
-                if isinstance(function, types.FunctionType) and not function.__code__.co_filename.startswith(_OURS):
+                if _the_recipes(function):
                     pending.append(((*path, *place), target, (name,)))
     return found
 
@@ -273,8 +273,7 @@ def _given(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]
 
 def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]) -> List[types.FunctionType]:
     """The functions of the recipe's modules the code loads (``update(...)``,
-    ``helpers.update(...)``): each may be the one a value is given to. A library's
-    (Python's own, torch, NumPy, SpeechBrain) holds none of the recipe's state."""
+    ``helpers.update(...)``): each may be the one a value is given to."""
     found = []
     for at, instruction in enumerate(instructions[:-1]):
         if instruction.opname != "LOAD_GLOBAL":
@@ -282,9 +281,16 @@ def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]
         value = names.get(instruction.argval)
         if isinstance(value, types.ModuleType) and instructions[at + 1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
             value = getattr(value, instructions[at + 1].argval, None)
-        if isinstance(value, types.FunctionType) and (value.__module__ or "").split(".")[0] not in _LIBRARIES:
+        if _the_recipes(value):
             found.append(value)
     return found
+
+
+def _the_recipes(function: Any) -> bool:
+    """Whether ``function`` is Python code of the recipe's own, not of a library
+    (Python's own, torch, NumPy, SpeechBrain), which holds none of its state."""
+    return isinstance(function, types.FunctionType) and (function.__module__ or "").split(".")[0] not in _LIBRARIES \
+        and not function.__code__.co_filename.startswith(_OURS)  # nor a stand-in's
 
 
 def _taker(instructions: List[dis.Instruction], at: int) -> Optional[int]:
