@@ -1,13 +1,15 @@
 """State a sharded stage writes outside the Brain: named in a warning, merged when
 listed (SpeechBrain's ASR_alignment_viterbi shape, real gloo groups)."""
 
+import logging
 import math
 
 import pytest
+import speechbrain as sb
 
-from tests import alignment
+from tests import alignment, toy
 from tests.mp_harness import results, run_ranks
-from tests.workers import alignment_example
+from tests.workers import GLOBAL_IDS, GlobalState, alignment_example, global_state
 
 pytestmark = pytest.mark.timeout(180)
 PATH = "hparams.aligner.align_dict"
@@ -139,3 +141,43 @@ def test_what_a_recipe_object_or_a_container_in_hparams_holds_deeper_is_seen():
     assert "what it holds changed" in changed["hparams.table"]
     tracker.name = "end"
     assert changed_outside(start, outside_markers(brain))["hparams.tracker.name"] == "value changed ('start' -> 'end')"
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.fast), 3])
+def test_a_global_and_a_class_attribute_batches_change_are_named(world_size, tmp_path):
+    """A recipe that accumulates into a global of its module and into a dict held by
+    its Brain class: each rank holds only its own batches' share, so both are named
+    in a warning, with how to keep them on the Brain."""
+    GLOBAL_IDS.clear()
+    GlobalState.per_class = {}
+    single = toy.run_accumulating(toy.build(GlobalState, tmp_path / "plain", epochs=1,
+                                            checkpointer_cls=sb.utils.checkpoints.Checkpointer))
+    per_rank = results(run_ranks(global_state, world_size, str(tmp_path / "ddp"), None, timeout=150))
+    valid = [w for w in per_rank[0]["warnings"] if "VALID" in w and "state outside the Brain" in w]
+    assert valid and "'global GLOBAL_IDS'" in valid[0] and "'class GlobalState.per_class'" in valid[0], valid
+    assert "keep it on the Brain instead" in valid[0]
+    assert per_rank[0]["log"][0]["outside"] != single["log"][0]["outside"]  # the naming matters
+
+
+SEEN, RATE, LOGGER = [], 0.5, logging.getLogger("recipe")
+
+
+def _note(utt):  # a function of the recipe's module a batch calls: what it names is reached too
+    SEEN.append(utt)
+
+
+class Reaching:
+    cache, threshold, scale = {}, 0.5, staticmethod(abs)
+
+    def compute_objectives(self, predictions, batch, stage):
+        LOGGER.info("batch")  # a library's object: not state of the recipe's
+        _note(batch)
+        return math.sqrt(RATE) * self.threshold
+
+
+@pytest.mark.fast
+def test_the_globals_and_class_attributes_batch_code_reaches():
+    from ddp_eval.state._c_reads import reached_outside
+
+    assert reached_outside(Reaching()) == {"global SEEN": SEEN, "global RATE": RATE,
+                                           "class Reaching.cache": {}, "class Reaching.threshold": 0.5}

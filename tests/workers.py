@@ -543,6 +543,35 @@ class RunningAccuracy(toy.AccumulatingBrain):
             self.log[-1]["running_acc"] = self.running_acc
 
 
+GLOBAL_IDS = []  # what GlobalState's batches accumulate outside the Brain
+
+
+class GlobalState(toy.AccumulatingBrain):
+    """Accumulates into a global of its module and a class attribute: state outside
+    the Brain, each rank holding its own batches' share."""
+
+    per_class = {}
+
+    def compute_objectives(self, logits, batch, stage):
+        if stage != sb.Stage.TRAIN:
+            GLOBAL_IDS.extend(batch.id)
+            self.per_class.update((utt, 1) for utt in batch.id)
+        return super().compute_objectives(logits, batch, stage)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        super().on_stage_end(stage, stage_loss, epoch)
+        if stage != sb.Stage.TRAIN:
+            self.log[-1]["outside"] = (len(GLOBAL_IDS), len(self.per_class))
+
+
+def global_state(rank, world_size, ckpt_dir, ddp_eval_opts):
+    """``GlobalState`` converted (its global and class attribute emptied first: pool
+    workers are reused): its log and the warnings this rank logged."""
+    GLOBAL_IDS.clear()
+    GlobalState.per_class = {}
+    return _converted_accumulating(GlobalState, ckpt_dir, ddp_eval_opts)
+
+
 class Progress:
     """The recipe's own progress meter; its ``update`` reads its ints in C."""
 

@@ -74,7 +74,9 @@ class StageReport:
                 f"changed, so each rank holds only its own batches' share of it: {found}. "
                 "Expected state a stage accumulates on the Brain. To merge it like a Brain "
                 "attribute, list its path in ddp_eval: attributes_include (e.g. "
-                f"[hparams.aligner.align_dict]); or set shard_{name}: false; or list the path "
+                "[hparams.aligner.align_dict]); a module's global or a class attribute ('global X', "
+                "'class C.x'): keep it on the Brain instead (self.x, bound in on_stage_start); "
+                f"or set shard_{name}: false; or list the path "
                 "in ddp_eval: attributes_exclude if it is rank-local on purpose.")
         if self.unsendable:
             raise ConfigError(f"ddp_eval: at the end of the sharded {self.stage} stage, "

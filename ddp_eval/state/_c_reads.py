@@ -48,6 +48,8 @@ import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
+import torch
+
 from ddp_eval.state._select import JUMPS, choice_at, stack_effect
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
@@ -62,6 +64,8 @@ _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-i
 
 ENTRY = "[*]"  # in a path: any entry of a container
 Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
+Named = FrozenSet[Tuple[types.FunctionType, str]]  # a global's name, and a function that names it
+Scan = Tuple[FrozenSet[str], Calls, Named]  # read in C, called, globals named
 
 
 def read_in_c(owner_class: type, methods: Tuple[str, ...] = BATCH_METHODS) -> FrozenSet[str]:
@@ -91,7 +95,48 @@ def read_in_c_of(brain: Any) -> Set[str]:
     >>> sorted(read_in_c_of(Recipe()))
     ['stats.count']
     """
+    return _walk(brain)[0]
+
+
+def reached_outside(brain: Any) -> Dict[str, Any]:
+    """State outside the Brain the code its batches run may change: the globals of
+    the recipe's modules it names (``global RESULTS``), and the class attributes of
+    the recipe's classes it uses (``class ASR.cache``), by label. Functions, classes,
+    modules and a library's objects (a logger) are left out.
+
+    Example
+    -------
+    >>> SEEN = []
+    >>> class Recipe:
+    ...     cache = {}
+    ...     def compute_objectives(self, predictions, batch, stage):
+    ...         SEEN.append(batch)
+    >>> sorted(reached_outside(Recipe()))
+    ['class Recipe.cache', 'global SEEN']
+    """
+    _, owners, named = _walk(brain)
+    found = {}
+    classes = [cls for owner in owners for cls in type(owner).__mro__]
+    for function, name in sorted(named, key=lambda each: (each[0].__module__ or "", each[1])):
+        value, module = function.__globals__.get(name), function.__module__
+        if isinstance(value, type):
+            classes.append(value)
+        elif _is_state(value):
+            found[f"global {name}" if module == type(brain).__module__ else f"global {module}.{name}"] = value
+    for cls in dict.fromkeys(classes):
+        if (cls.__module__ or "").split(".")[0] in _LIBRARIES or _of_ddp_eval(cls):
+            continue
+        for name, value in vars(cls).items():
+            if not name.startswith("__") and _is_state(value):
+                found[f"class {cls.__qualname__}.{name}"] = value
+    return found
+
+
+def _walk(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType, str]]]:
+    """(labels read in C, the objects whose methods batches run, globals named)."""
     found: Set[str] = set()
+    named: Set[Tuple[types.FunctionType, str]] = set()
+    owners: Dict[int, Any] = {}
     pending: List[Tuple[Tuple[str, ...], Any, Tuple[str, ...]]] = [((), brain, BATCH_METHODS)]
     done: Set[Tuple[Tuple[str, ...], type, Tuple[str, ...]]] = set()
     while pending:
@@ -99,8 +144,10 @@ def read_in_c_of(brain: Any) -> Set[str]:
         if (path, type(owner), methods) in done or len(path) > _DEPTH:
             continue
         done.add((path, type(owner), methods))
-        reads, calls = _scan(type(owner), methods)
+        owners[id(owner)] = owner
+        reads, calls, more = _scan(type(owner), methods)
         found |= {label_of((*path, *parts(name))) for name in reads}
+        named |= more
         for fields, method in calls:
             for target in values_at(owner, fields):
                 place, name, function = fields, method, getattr(type(target), method, None)
@@ -111,7 +158,26 @@ def read_in_c_of(brain: Any) -> Set[str]:
                     continue  # a method of the owner's own: scanned with it
                 if _the_recipes(function):
                     pending.append(((*path, *place), target, (name,)))
-    return found
+    return found, list(owners.values()), named
+
+
+def _is_state(value: Any) -> bool:
+    """A value a batch may change: a container, a number, a string, a tensor, an array,
+    an object of the recipe's own (not a function, class, module or descriptor, nor
+    a library's object)."""
+    if isinstance(value, (list, dict, set, bytearray, collections.deque, int, float, str, bytes, tuple,
+                          torch.Tensor)) or type(value).__module__ == "numpy":
+        return True
+    return not isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                                  types.MethodType, staticmethod, classmethod, property)) \
+        and (type(value).__module__ or "").split(".")[0] not in _LIBRARIES | {"builtins"} \
+        and not _of_ddp_eval(type(value))
+
+
+def _of_ddp_eval(cls: type) -> bool:
+    """Whether ``cls`` is one of ddp_eval's own classes (the mixin, a stand-in)."""
+    return (cls.__module__ or "").startswith("ddp_eval") and getattr(
+        sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 def parts(label: str) -> Tuple[str, ...]:
@@ -139,11 +205,12 @@ def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _scan(owner_class: type, methods: Tuple[str, ...]) -> Tuple[FrozenSet[str], Calls]:
-    """(attributes read in C, methods called on the fields of ``self``) by ``methods``
-    and the methods of ``owner_class`` they call."""
+def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
+    """:func:`_scan_function` of ``methods`` and the methods of ``owner_class`` they
+    call (``self.helper(...)``)."""
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
+    named: Set[Tuple[types.FunctionType, str]] = set()
     pending, done = list(methods), set()
     while pending:
         name = pending.pop()
@@ -151,39 +218,44 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Tuple[FrozenSet[str], 
         if name in done or not isinstance(function, types.FunctionType):
             continue
         done.add(name)
-        found, called = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
+        found, called, more = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
         reads |= found
+        named |= more
         pending += [name for name in found if isinstance(getattr(owner_class, name, None), types.FunctionType)]
         for fields, method in called:
             if not fields and isinstance(getattr(owner_class, method, None), types.FunctionType):
                 pending.append(method)  # self.helper(...)
             else:
                 calls.add((fields, method))
-    return frozenset(reads), frozenset(calls)
+    return frozenset(reads), frozenset(calls), frozenset(named)
 
 
 @functools.lru_cache(maxsize=1024)
-def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth: int) -> Tuple[FrozenSet[str],
-                                                                                                 Calls]:
+def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth: int) -> Scan:
     """(paths read in C, methods called) of the objects named ``selves`` in
     ``function``, its nested functions, and the module's functions it gives them
-    (``update_stats(self.stats, x)``: read as ``stats.count``), ``depth`` calls deep."""
+    (``update_stats(self.stats, x)``: read as ``stats.count``), and the globals
+    (``(module, name)``) these and the module's functions it calls name, ``depth``
+    calls deep."""
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
-    if not selves:
-        return frozenset(), frozenset()
+    named = set()
     for code in _with_nested(function.__code__):
         instructions = list(dis.get_instructions(code))
-        loads = _attribute_loads(instructions, selves)
+        named |= {(function, instruction.argval) for instruction in instructions
+                  if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
+        loads = _attribute_loads(instructions, selves) if selves else {}
         reads |= _right_operands(instructions, loads) | _call_arguments(code, instructions, loads)
-        calls |= _field_calls(instructions, loads, selves)
-        for path in _given(instructions, loads, selves) if depth else ():
-            for given in _module_functions(instructions, function.__globals__):
-                found, called = _scan_function(given, given.__code__.co_varnames[:given.__code__.co_argcount],
-                                               depth - 1)
+        calls |= _field_calls(instructions, loads, selves) if selves else set()
+        given = _given(instructions, loads, selves) if selves else set()
+        for module_function in _module_functions(instructions, function.__globals__) if depth else ():
+            parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
+            found, called, more = _scan_function(module_function, parameters if given else (), depth - 1)
+            named |= more
+            for path in given:
                 reads |= {label_of((*parts(path), *parts(read))) for read in found}
                 calls |= {((*parts(path), *fields), method) for fields, method in called}
-    return frozenset(reads), frozenset(calls)
+    return frozenset(reads), frozenset(calls), frozenset(named)
 
 
 def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:

@@ -23,14 +23,16 @@ Example
 {'hparams.aligner.align_dict': 'dict gained 1 key(s) (0 -> 1)'}
 """
 
+import collections
 import types
 from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
 from ddp_eval import sb_compat
+from ddp_eval.state._c_reads import reached_outside
 from ddp_eval.state._explain import Fingerprint, of_a_framework
-from ddp_eval.state._values import is_number
+from ddp_eval.state._values import is_array, is_number
 
 Marker = Tuple[Any, ...]
 
@@ -65,7 +67,7 @@ class _Contents:
 def _by_contents(value: Any) -> bool:
     """Containers and the recipe's own objects (not modules, functions, classes or a
     library's objects, whose fields change as they work)."""
-    if isinstance(value, (list, dict, set, tuple)):
+    if isinstance(value, (list, dict, set, tuple, collections.deque, bytearray)) or is_array(value):
         return True
     return (type(getattr(value, "__dict__", None)) is dict and not isinstance(
         value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
@@ -95,11 +97,14 @@ def _roots(brain: Any) -> Iterable[Tuple[str, Any]]:
     checkpointer = getattr(brain, "checkpointer", None)
     for name, obj in sorted(getattr(checkpointer, "recoverables", {}).items()):
         yield f"checkpointer.recoverables.{name}", obj
+    yield from reached_outside(brain).items()  # globals and class attributes the batch code uses
 
 
 def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marker]:
     """``{dotted path: marker}`` of the state reachable from ``brain.hparams``
-    and its checkpointer's recoverables, one attribute level deep.
+    and its checkpointer's recoverables, one attribute level deep, and of the
+    globals and class attributes the batch code uses
+    (:func:`~ddp_eval.state._c_reads.reached_outside`).
 
     Objects in ``skip_ids`` (e.g. the Brain's own attributes) are left out.
     """
@@ -110,7 +115,8 @@ def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marke
         if id(obj) in skipped or id(obj) in seen or sb_compat.holds_scratch_state(obj):
             continue
         seen.add(id(obj))
-        if _marker(obj) is not None or isinstance(obj, (set, tuple)):
+        if _marker(obj) is not None or isinstance(obj, (set, tuple, str, bytes, collections.deque, bytearray)) \
+                or is_array(obj):  # a container or a value: itself
             markers[label] = _full_marker(obj)
             continue
         mark = _full_marker if _by_contents(obj) else _marker  # a library's object, a module: as before

@@ -205,13 +205,19 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     elif outside:  # no read of it is seen: any batch may have read it
         why = (f"state outside the Brain {outside} changed during the stage, so on each rank it held only its own "
                "batches' share, and what a batch computed from it may differ from one process: merged as each "
-               f"rank's batches did it; merge that state (ddp_eval: attributes_include: [{outside[0]}]), or list "
-               "it in attributes_exclude if no batch reads it")
+               f"rank's batches did it; {_remedy(outside[0])}, or list it in attributes_exclude if no batch reads it")
     else:
         return
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)}
     for label in sorted({label for report in reports for label in report.get("watched", ())} - named):
         result.assumed[label] = why
+
+
+def _remedy(outside: str) -> str:
+    """How to merge state outside the Brain at label ``outside``."""
+    if outside.startswith(("global ", "class ")):  # a module's global, a class attribute
+        return "keep it on the Brain instead (self.x, bound in on_stage_start), where ddp_eval merges it"
+    return f"merge that state (ddp_eval: attributes_include: [{outside}])"
 
 
 def _changed_at(result: MergeResult, label: str, changed: set) -> bool:
