@@ -97,6 +97,16 @@ def test_every_kind_of_change_merges_to_one_process(layout):
         assert "last_ids" in result.assumed
 
 
+@pytest.mark.parametrize("start,add", [(np.float64(0.0), 0.5), (0.0, np.float64(0.5))], ids=["started", "added"])
+def test_a_numpy_scalar_accumulator_is_named_with_its_remedy(start, add):
+    """``total += x`` on a NumPy scalar: no probe of its kind, so = and += cannot be told
+    apart: named, the remedy a Python float (start it as 0.0, add float(x))."""
+    _, records, _ = simulate_stage([[0, 1], [2]], lambda: _brain(lambda: types.SimpleNamespace(total=start)),
+                                   lambda h, b: setattr(h, "total", h.total + add), DDPEvalConfig())
+    why = records[0].report["unmergeable"]["total"]
+    assert "a float64 changed" in why and ("float(x)" in why or "float()" in why), why
+
+
 @pytest.mark.parametrize("batch", [lambda h, b: setattr(h, "flag", b % 2 == 1),
                                    lambda h, b: setattr(h, "flag", h.flag or b == 1)], ids=["set", "or"])
 def test_a_bool_a_batch_binds_is_named_and_exact_when_declared(batch):

@@ -309,7 +309,12 @@ class Bindings:
             self.obj = value
             return True
         if is_number(self.obj) and not empty:
-            self.fail(f"a {type(self.obj).__name__} that became a {type(value).__name__}; start it as one")
+            if type(self.obj) not in PROBED_TYPES:  # numpy.float64(0.0) += x: no probe of its kind
+                self.fail(f"a {type(self.obj).__name__} changed, and ddp_eval tells = from += only for Python "
+                          f"int and float; start it as one (0.0, not {type(self.obj).__name__}(0)) and add "
+                          "Python numbers (float(x))")
+            else:
+                self.fail(f"a {type(self.obj).__name__} that became a {type(value).__name__}; start it as one")
             return True
         if self.events or self.watch.changes_after(-1 if self.assigned_at is None else self.assigned_at):
             self.fail(f"it was changed in place, then a batch bound a new {type(value).__name__} to it")
