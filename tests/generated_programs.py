@@ -63,6 +63,9 @@ class Meter:
         self.means.append(2.5 * self.count + v)  # a float on the left of a watched int
 
 
+_LABELS = [f"label{i}" for i in range(1000)]
+
+
 def _update_meter(meter, b):  # a module's function a batch gives an object the Brain holds
     meter.update(value(b))
 
@@ -265,6 +268,9 @@ class Brain:
         elif read == "entry":
             self.c_by_key[b % 2] += 1
             self.c_reads.append(0.5 * self.c_by_key[b % 2])
+        elif read == "index":
+            self.c_count += 1
+            self.c_reads.append(_LABELS[self.c_count])
         elif read == "held in a dict":
             self.meters[b % 2].update(value(b))
         else:
@@ -445,6 +451,7 @@ def _fixed():
         "read in C by a held object's method": lambda h, b: h.compute_objectives(b, "held"),
         "read in C by a function given a field": lambda h, b: h.compute_objectives(b, "function given a field"),
         "a dict's int entry read in C": lambda h, b: h.compute_objectives(b, "entry"),
+        "an int read in C as a list's index": lambda h, b: h.compute_objectives(b, "index"),
         "read in C by a method of an object in a dict": lambda h, b: h.compute_objectives(b, "held in a dict"),
         "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
         "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),

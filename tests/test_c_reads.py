@@ -152,6 +152,19 @@ class Counted(Counting):
         self.late.append(100.0 * self.counts["a"])
 
 
+LABELS = [f"label{i}" for i in range(100)]
+
+
+class Indexed(Counting):
+    def _progress(self, b):  # a list takes an int's value in C as its index
+        self.late.append(LABELS[self.seen])
+
+
+class Sliced(Counting):
+    def _progress(self, b):
+        self.late.append("abcdefgh"[:self.seen])
+
+
 helpers = types.ModuleType("helpers")  # a module of the recipe's own
 helpers.update = _update
 
@@ -188,6 +201,18 @@ def test_the_scan_finds_reads_through_locals_functions_and_held_objects():
     assert read_in_c_of(InModule()) == read_in_c_of(GivenField())
     assert read_in_c_of(PerKey()) == read_in_c_of(PerKey(container=list)) == {"per_key[*].count", "per_key[*].total"}
     assert read_in_c(Counted) == {"counts[*]"}
+    assert read_in_c(Indexed) == read_in_c(Sliced) == {"seen"}
+
+
+class Subscripts:
+    def compute_objectives(self, b):
+        self.items[self.i] = self.items[self.j] + self.d[self.k]  # watched containers see their index
+        return LABELS[self.m], "abc"[:self.q]
+
+
+@pytest.mark.fast
+def test_an_index_is_read_in_c_unless_a_watched_container_takes_it():
+    assert read_in_c(Subscripts) == {"m", "q"}
     assert read_in_c_of(InHparams()) == {"hparams.stats.count", "hparams.stats.total"}
 
 
@@ -202,7 +227,8 @@ def test_the_scan_finds_right_operands_read_in_c():
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
-                                    InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted])
+                                    InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted,
+                                    Indexed, Sliced])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""

@@ -129,7 +129,8 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
 @pytest.mark.parametrize("operation", ["read in C through a local", "read in C by a function given self",
                                        "read in C by a held object's method",
                                        "read in C by a function given a field", "a dict's int entry read in C",
-                                       "read in C by a method of an object in a dict"])
+                                       "read in C by a method of an object in a dict",
+                                       "an int read in C as a list's index"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without

@@ -245,7 +245,8 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
         named |= {(function, instruction.argval) for instruction in instructions
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         loads = _attribute_loads(instructions, selves) if selves else {}
-        reads |= _right_operands(instructions, loads) | _call_arguments(code, instructions, loads)
+        reads |= _right_operands(instructions, loads) | _call_arguments(code, instructions, loads) | _indices(
+            instructions, loads)
         calls |= _field_calls(instructions, loads, selves) if selves else set()
         given = _given(instructions, loads, selves) if selves else set()
         for module_function in _module_functions(instructions, function.__globals__) if depth else ():
@@ -318,6 +319,19 @@ def _call_arguments(code: types.CodeType, instructions: List[dis.Instruction], l
         if taker is not None and instructions[taker].opname in _CALLS and not _is_choice(code, instructions, taker):
             found.add(path)
     return found
+
+
+def _indices(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]]) -> Set[str]:
+    """Fields of ``self`` used as an index or a slice's bound of a container that is not
+    one (``NAMES[self.n]``, ``x[:self.n]``): a list or a string takes an ``int``'s value
+    in C. A watched container's recording copy sees its index (``self.items[self.n]``)."""
+    taken = {end: _take(instructions, end) for end in loads}
+    of_self = {taker for taker, above in taken.values() if above == 2} | {  # a field subscripted
+        end for end, (_, path) in loads.items() if path.endswith(ENTRY)}
+    return {path for end, (_, path) in loads.items() if taken[end][0] is not None and (
+        instructions[taken[end][0]].opname == "BUILD_SLICE" or (
+            instructions[taken[end][0]].opname in ("BINARY_SUBSCR", "STORE_SUBSCR", "DELETE_SUBSCR")
+            and taken[end][1] == 1 and taken[end][0] not in of_self))}
 
 
 def _field_calls(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]], selves: Tuple[str, ...]
