@@ -177,7 +177,7 @@ class Reaching:
 
 @pytest.mark.fast
 def test_the_globals_and_class_attributes_batch_code_reaches():
-    from ddp_eval.state._c_reads import reached_outside
+    from ddp_eval.state._outside import reached_outside
 
     assert reached_outside(Reaching()) == {"global SEEN": SEEN, "global RATE": RATE,
                                            "class Reaching.cache": {}, "class Reaching.threshold": 0.5}

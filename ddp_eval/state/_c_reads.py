@@ -11,7 +11,8 @@ operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and
 for one passed to a call (``math.sqrt(self.total)``, ``torch.tensor(self.x)``: C
 code takes the value of a float or int subclass directly), but for the builtin
-``max`` or ``min`` the merge replays as a choice.
+``max`` or ``min`` the merge replays as a choice, or used as the index of a
+container that is not watched (``LABELS[self.n]``).
 
 The code scanned, with its nested functions: ``compute_forward``,
 ``compute_objectives`` and ``evaluate_batch``; the methods they call on
@@ -23,6 +24,8 @@ objects the Brain holds, or the objects called (``self.stats.update(x)``,
 entry's method, ``self.per_key[k].update(x)``, a function found at run time, a
 library's code) is not. Such a read is taken as a read of the value whole: if
 batches change the value, it is named with what they may have computed from it.
+The same walk (:func:`reach`) tells which objects the batch code runs methods of
+and which globals it names, for :mod:`ddp_eval.state._outside`.
 
 Example
 -------
@@ -48,8 +51,6 @@ import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
-import torch
-
 from ddp_eval.state._select import JUMPS, choice_at, stack_effect
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
@@ -59,7 +60,7 @@ _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflec
 _CALLS = ("PRECALL", "CALL", "CALL_FUNCTION_EX")
 _TWO_IN = ("BINARY_OP", "COMPARE_OP", "BINARY_SUBSCR", "CONTAINS_OP", "IS_OP")  # take two, give one
 _DEPTH = 4  # objects held in objects: how deep method calls are followed
-_LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain"}
+LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain"}
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-in's methods are not the recipe's
 
 ENTRY = "[*]"  # in a path: any entry of a container
@@ -95,45 +96,12 @@ def read_in_c_of(brain: Any) -> Set[str]:
     >>> sorted(read_in_c_of(Recipe()))
     ['stats.count']
     """
-    return _walk(brain)[0]
+    return reach(brain)[0]
 
 
-def reached_outside(brain: Any) -> Dict[str, Any]:
-    """State outside the Brain the code its batches run may change: the globals of
-    the recipe's modules it names (``global RESULTS``), and the class attributes of
-    the recipe's classes it uses (``class ASR.cache``), by label. Functions, classes,
-    modules and a library's objects (a logger) are left out.
-
-    Example
-    -------
-    >>> SEEN = []
-    >>> class Recipe:
-    ...     cache = {}
-    ...     def compute_objectives(self, predictions, batch, stage):
-    ...         SEEN.append(batch)
-    >>> sorted(reached_outside(Recipe()))
-    ['class Recipe.cache', 'global SEEN']
-    """
-    _, owners, named = _walk(brain)
-    found = {}
-    classes = [cls for owner in owners for cls in type(owner).__mro__]
-    for function, name in sorted(named, key=lambda each: (each[0].__module__ or "", each[1])):
-        value, module = function.__globals__.get(name), function.__module__
-        if isinstance(value, type):
-            classes.append(value)
-        elif _is_state(value):
-            found[f"global {name}" if module == type(brain).__module__ else f"global {module}.{name}"] = value
-    for cls in dict.fromkeys(classes):
-        if (cls.__module__ or "").split(".")[0] in _LIBRARIES or _of_ddp_eval(cls):
-            continue
-        for name, value in vars(cls).items():
-            if not name.startswith("__") and _is_state(value):
-                found[f"class {cls.__qualname__}.{name}"] = value
-    return found
-
-
-def _walk(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType, str]]]:
-    """(labels read in C, the objects whose methods batches run, globals named)."""
+def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType, str]]]:
+    """(labels read in C, the objects whose methods the batch code runs, the globals it
+    names, each with a function naming it) of ``brain``'s batch code."""
     found: Set[str] = set()
     named: Set[Tuple[types.FunctionType, str]] = set()
     owners: Dict[int, Any] = {}
@@ -159,25 +127,6 @@ def _walk(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
                 if _the_recipes(function):
                     pending.append(((*path, *place), target, (name,)))
     return found, list(owners.values()), named
-
-
-def _is_state(value: Any) -> bool:
-    """A value a batch may change: a container, a number, a string, a tensor, an array,
-    an object of the recipe's own (not a function, class, module or descriptor, nor
-    a library's object)."""
-    if isinstance(value, (list, dict, set, bytearray, collections.deque, int, float, str, bytes, tuple,
-                          torch.Tensor)) or type(value).__module__ == "numpy":
-        return True
-    return not isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-                                  types.MethodType, staticmethod, classmethod, property)) \
-        and (type(value).__module__ or "").split(".")[0] not in _LIBRARIES | {"builtins"} \
-        and not _of_ddp_eval(type(value))
-
-
-def _of_ddp_eval(cls: type) -> bool:
-    """Whether ``cls`` is one of ddp_eval's own classes (the mixin, a stand-in)."""
-    return (cls.__module__ or "").startswith("ddp_eval") and getattr(
-        sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 def parts(label: str) -> Tuple[str, ...]:
@@ -375,7 +324,7 @@ def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]
 def _the_recipes(function: Any) -> bool:
     """Whether ``function`` is Python code of the recipe's own, not of a library
     (Python's own, torch, NumPy, SpeechBrain), which holds none of its state."""
-    return isinstance(function, types.FunctionType) and (function.__module__ or "").split(".")[0] not in _LIBRARIES \
+    return isinstance(function, types.FunctionType) and (function.__module__ or "").split(".")[0] not in LIBRARIES \
         and not function.__code__.co_filename.startswith(_OURS)  # nor a stand-in's
 
 

@@ -10,7 +10,9 @@ the identities of a dict's values) and, for containers and the recipe's own
 objects, a fingerprint of what they hold (``align_dict[k].append(x)``,
 ``tracker.inner.n += 1``); :func:`changed_outside` names what differs between
 stage start and end.
-SpeechBrain's decoders are left out: what they keep is per-call scratch.
+SpeechBrain's decoders are left out: what they keep is per-call scratch. The
+globals of the recipe's modules and the class attributes of its classes that the
+batch code uses (:func:`reached_outside`) are marked the same way.
 
 Example
 -------
@@ -24,13 +26,14 @@ Example
 """
 
 import collections
+import sys
 import types
 from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
 from ddp_eval import sb_compat
-from ddp_eval.state._c_reads import reached_outside
+from ddp_eval.state._c_reads import LIBRARIES, reach
 from ddp_eval.state._explain import Fingerprint, of_a_framework
 from ddp_eval.state._values import is_array, is_number
 
@@ -98,6 +101,59 @@ def _roots(brain: Any) -> Iterable[Tuple[str, Any]]:
     for name, obj in sorted(getattr(checkpointer, "recoverables", {}).items()):
         yield f"checkpointer.recoverables.{name}", obj
     yield from reached_outside(brain).items()  # globals and class attributes the batch code uses
+
+
+def reached_outside(brain: Any) -> Dict[str, Any]:
+    """State outside the Brain the code its batches run may change: the globals of
+    the recipe's modules it names (``global RESULTS``), and the class attributes of
+    the recipe's classes it uses (``class ASR.cache``), by label. Functions, classes,
+    modules and a library's objects (a logger) are left out.
+
+    Example
+    -------
+    >>> SEEN = []
+    >>> class Recipe:
+    ...     cache = {}
+    ...     def compute_objectives(self, predictions, batch, stage):
+    ...         SEEN.append(batch)
+    >>> sorted(reached_outside(Recipe()))
+    ['class Recipe.cache', 'global SEEN']
+    """
+    _, owners, named = reach(brain)
+    found = {}
+    classes = [cls for owner in owners for cls in type(owner).__mro__]
+    for function, name in sorted(named, key=lambda each: (each[0].__module__ or "", each[1])):
+        value, module = function.__globals__.get(name), function.__module__
+        if isinstance(value, type):
+            classes.append(value)
+        elif _is_state(value):
+            found[f"global {name}" if module == type(brain).__module__ else f"global {module}.{name}"] = value
+    for cls in dict.fromkeys(classes):
+        if (cls.__module__ or "").split(".")[0] in LIBRARIES or _of_ddp_eval(cls):
+            continue
+        for name, value in vars(cls).items():
+            if not name.startswith("__") and _is_state(value):
+                found[f"class {cls.__qualname__}.{name}"] = value
+    return found
+
+
+def _is_state(value: Any) -> bool:
+    """A value a batch may change: a container, a number, a string, a tensor, an array,
+    an object of the recipe's own (not a function, class, module or descriptor, nor
+    a library's object)."""
+    if isinstance(value, (list, dict, set, bytearray, collections.deque, int, float, str, bytes, tuple,
+                          torch.Tensor)) or type(value).__module__ == "numpy":
+        return True
+    return not isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                                  types.MethodType, staticmethod, classmethod, property)) \
+        and (type(value).__module__ or "").split(".")[0] not in LIBRARIES | {"builtins"} \
+        and not _of_ddp_eval(type(value))
+
+
+def _of_ddp_eval(cls: type) -> bool:
+    """Whether ``cls`` is one of ddp_eval's own classes (the mixin, a stand-in)."""
+    return (cls.__module__ or "").startswith("ddp_eval") and getattr(
+        sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marker]:
