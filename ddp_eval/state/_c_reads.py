@@ -117,7 +117,7 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
         found |= {label_of((*path, *parts(name))) for name in reads}
         named |= more
         for fields, method in calls:
-            for target in values_at(owner, fields):
+            for target in {type(value): value for value in values_at(owner, fields)}.values():  # one of a kind
                 place, name, function = fields, method, getattr(type(target), method, None)
                 if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
                     place, name, target = (*fields, method), "__call__", getattr(target, "__dict__", {}).get(method)
