@@ -4,6 +4,7 @@ code's bytecode names such reads, in the Brain's methods, through a local, in a
 module's function given the Brain, and in the methods of objects it holds."""
 
 import ast
+import functools
 import json
 import math
 import types
@@ -201,7 +202,31 @@ def test_the_scan_finds_reads_through_locals_functions_and_held_objects():
     assert read_in_c_of(InModule()) == read_in_c_of(GivenField())
     assert read_in_c_of(PerKey()) == read_in_c_of(PerKey(container=list)) == {"per_key[*].count", "per_key[*].total"}
     assert read_in_c(Counted) == {"counts[*]"}
-    assert read_in_c(Indexed) == read_in_c(Sliced) == {"seen"}
+    assert read_in_c(Indexed) == read_in_c(Sliced) == read_in_c(Decorated) == {"seen"}
+    assert read_in_c(Inherits) == read_in_c(Counting) == {"correct", "seen"}  # Steering's override: {"seen"}
+
+
+def _logged(method):  # a decorator of the recipe's own, as functools.wraps makes them
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        return method(*args, **kwargs)
+    return run
+
+
+class Decorated(Counting):
+    @_logged
+    def compute_objectives(self, b):
+        super().compute_objectives(b)
+
+    @_logged
+    def _progress(self, b):
+        self.late.append(2.5 * self.seen)
+
+
+class Inherits(Counting):
+    def compute_objectives(self, b):  # the parent's batch code runs too, through super()
+        self.late.append(b)
+        super().compute_objectives(b)
 
 
 class Subscripts:
@@ -228,7 +253,7 @@ def test_the_scan_finds_right_operands_read_in_c():
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
                                     InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted,
-                                    Indexed, Sliced])
+                                    Indexed, Sliced, Decorated])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""

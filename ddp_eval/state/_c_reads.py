@@ -16,13 +16,14 @@ container that is not watched (``LABELS[self.n]``).
 
 The code scanned, with its nested functions: ``compute_forward``,
 ``compute_objectives`` and ``evaluate_batch``; the methods they call on
-``self``; the functions of the recipe's modules they give ``self`` or a field of
-it (``update(self.stats, x)``: each parameter taken for the value given, a read
-of ``stats.count`` as one of ``self.stats.count``); the methods they call on the
-objects the Brain holds, or the objects called (``self.stats.update(x)``,
-``self.hparams.meter(x)``, :func:`read_in_c_of`). What is reached otherwise (an
-entry's method, ``self.per_key[k].update(x)``, a function found at run time, a
-library's code) is not. Such a read is taken as a read of the value whole: if
+``self``, and the parents' they call through ``super()``; the functions of the
+recipe's modules they give ``self`` or a field of it (``update(self.stats, x)``:
+each parameter taken for the value given, a read of ``stats.count`` as one of
+``self.stats.count``); the methods they call on the objects the Brain holds and
+on the entries of its dicts and lists, and the objects called
+(``self.stats.update(x)``, ``self.per_key[k].update(x)``,
+``self.hparams.meter(x)``, :func:`read_in_c_of`). What is reached otherwise (a
+function found at run time, a library's code) is not. Such a read is taken as a read of the value whole: if
 batches change the value, it is named with what they may have computed from it.
 The same walk (:func:`reach`) tells which objects the batch code runs methods of
 and which globals it names, for :mod:`ddp_eval.state._outside`.
@@ -45,6 +46,7 @@ Example
 import collections
 import dis
 import functools
+import inspect
 import os
 import re
 import sys
@@ -163,11 +165,13 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
     pending, done = list(methods), set()
     while pending:
         name = pending.pop()
-        function = getattr(owner_class, name, None)
-        if name in done or not isinstance(function, types.FunctionType):
+        if name in done:
             continue
         done.add(name)
-        found, called, more = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
+        found, called, more = set(), set(), set()
+        for function in _implementations(owner_class, name):
+            scanned = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
+            found, called, more = found | scanned[0], called | scanned[1], more | scanned[2]
         reads |= found
         named |= more
         pending += [name for name in found if isinstance(getattr(owner_class, name, None), types.FunctionType)]
@@ -177,6 +181,23 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
             else:
                 calls.add((fields, method))
     return frozenset(reads), frozenset(calls), frozenset(named)
+
+
+def _implementations(owner_class: type, name: str) -> List[types.FunctionType]:
+    """``owner_class``'s ``name``, and along its MRO each next one that the previous
+    calls through ``super().name(...)``; decorated ones by their own code."""
+    found = []
+    for cls in owner_class.__mro__:
+        function = inspect.unwrap(vars(cls).get(name))
+        if not isinstance(function, types.FunctionType):
+            continue
+        found.append(function)
+        instructions = list(dis.get_instructions(function))
+        if not any(instruction.opname in ("LOAD_METHOD", "LOAD_ATTR") and instruction.argval == name and any(
+                before.opname == "LOAD_GLOBAL" and before.argval == "super" for before in instructions[at - 4:at])
+                for at, instruction in enumerate(instructions)):
+            break
+    return found
 
 
 @functools.lru_cache(maxsize=1024)
