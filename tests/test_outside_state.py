@@ -3,6 +3,7 @@ listed (SpeechBrain's ASR_alignment_viterbi shape, real gloo groups)."""
 
 import logging
 import math
+import types
 
 import pytest
 import speechbrain as sb
@@ -181,3 +182,34 @@ def test_the_globals_and_class_attributes_batch_code_reaches():
 
     assert reached_outside(Reaching()) == {"global SEEN": SEEN, "global RATE": RATE,
                                            "class Reaching.cache": {}, "class Reaching.threshold": 0.5}
+
+
+FLAG, LAST = False, None
+
+
+class Flagging:
+    def __init__(self):
+        self.hparams = types.SimpleNamespace(n_mels=40, seen=40, done=False)
+
+    def compute_objectives(self, predictions, batch, stage):
+        global FLAG, LAST
+        FLAG, LAST = FLAG or batch % 2 == 1, batch
+        self.hparams.seen += 1
+        self.hparams.done = True
+
+
+@pytest.mark.fast
+def test_bools_none_and_equal_numbers_outside_the_brain_are_each_marked():
+    """A bool or None global a batch rebinds, and an ``hparams`` counter that held the
+    same (interned) number as another field at stage start: each is named."""
+    global FLAG, LAST
+    from ddp_eval.state._outside import changed_outside, outside_markers
+
+    brain = Flagging()
+    start = outside_markers(brain)
+    brain.compute_objectives(None, 3, None)
+    try:
+        assert set(changed_outside(start, outside_markers(brain))) == {
+            "global FLAG", "global LAST", "hparams.seen", "hparams.done"}
+    finally:
+        FLAG, LAST = False, None

@@ -141,8 +141,8 @@ def _is_state(value: Any) -> bool:
     """A value a batch may change: a container, a number, a string, a tensor, an array,
     an object of the recipe's own (not a function, class, module or descriptor, nor
     a library's object)."""
-    if isinstance(value, (list, dict, set, bytearray, collections.deque, int, float, str, bytes, tuple,
-                          torch.Tensor)) or type(value).__module__ == "numpy":
+    if value is None or isinstance(value, (list, dict, set, bytearray, collections.deque, int, float, complex, str,
+                                           bytes, tuple, torch.Tensor)) or type(value).__module__ == "numpy":
         return True
     return not isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
                                   types.MethodType, staticmethod, classmethod, property)) \
@@ -160,7 +160,7 @@ def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marke
     """``{dotted path: marker}`` of the state reachable from ``brain.hparams``
     and its checkpointer's recoverables, one attribute level deep, and of the
     globals and class attributes the batch code uses
-    (:func:`~ddp_eval.state._c_reads.reached_outside`).
+    (:func:`reached_outside`).
 
     Objects in ``skip_ids`` (e.g. the Brain's own attributes) are left out.
     """
@@ -168,11 +168,14 @@ def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marke
     skipped = set(skip_ids) | {id(brain)}
     seen = set()
     for label, obj in _roots(brain):
-        if id(obj) in skipped or id(obj) in seen or sb_compat.holds_scratch_state(obj):
+        if id(obj) in skipped or sb_compat.holds_scratch_state(obj):
             continue
-        seen.add(id(obj))
-        if _marker(obj) is not None or isinstance(obj, (set, tuple, str, bytes, collections.deque, bytearray)) \
-                or is_array(obj):  # a container or a value: itself
+        if not (obj is None or isinstance(obj, (int, float, complex, str, bytes, tuple))):  # a value: by its place
+            if id(obj) in seen:
+                continue  # an object two places hold: marked once
+            seen.add(id(obj))
+        if _marker(obj) is not None or obj is None or isinstance(obj, (
+                set, tuple, str, bytes, bool, complex, collections.deque, bytearray)) or is_array(obj):  # itself
             markers[label] = _full_marker(obj)
             continue
         mark = _full_marker if _by_contents(obj) else _marker  # a library's object, a module: as before
