@@ -23,10 +23,11 @@ each parameter taken for the value given, a read of ``stats.count`` as one of
 on the entries of its dicts and lists, and the objects called
 (``self.stats.update(x)``, ``self.per_key[k].update(x)``,
 ``self.hparams.meter(x)``, :func:`read_in_c_of`). What is reached otherwise (a
-function found at run time, a library's code) is not. Such a read is taken as a read of the value whole: if
-batches change the value, it is named with what they may have computed from it.
-The same walk (:func:`reach`) tells which objects the batch code runs methods of
-and which globals it names, for :mod:`ddp_eval.state._outside`.
+function found at run time, a library's code) is not. Such a read is taken as a
+read of the value whole: if batches change the value, it is named with what they
+may have computed from it. The same walk (:func:`reach`) tells which objects the
+batch code runs methods of and which globals it names, for
+:mod:`ddp_eval.state._outside`.
 
 Example
 -------
@@ -192,12 +193,16 @@ def _implementations(owner_class: type, name: str) -> List[types.FunctionType]:
         if not isinstance(function, types.FunctionType):
             continue
         found.append(function)
-        instructions = list(dis.get_instructions(function))
-        if not any(instruction.opname in ("LOAD_METHOD", "LOAD_ATTR") and instruction.argval == name and any(
-                before.opname == "LOAD_GLOBAL" and before.argval == "super" for before in instructions[at - 4:at])
-                for at, instruction in enumerate(instructions)):
+        if not _calls_super(list(dis.get_instructions(function)), name):
             break
     return found
+
+
+def _calls_super(instructions: List[dis.Instruction], name: str) -> bool:
+    """Whether the code calls ``super().name`` (``super`` loaded just before)."""
+    return any(instruction.opname in ("LOAD_METHOD", "LOAD_ATTR") and instruction.argval == name and any(
+        before.opname == "LOAD_GLOBAL" and before.argval == "super" for before in instructions[max(0, at - 4):at])
+        for at, instruction in enumerate(instructions))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -205,7 +210,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
     """(paths read in C, methods called) of the objects named ``selves`` in
     ``function``, its nested functions, and the module's functions it gives them
     (``update_stats(self.stats, x)``: read as ``stats.count``), and the globals
-    (``(module, name)``) these and the module's functions it calls name, ``depth``
+    (``(function, name)``) these and the module's functions it calls name, ``depth``
     calls deep."""
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
@@ -309,22 +314,25 @@ def _field_calls(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int
     """Methods called on ``self`` and the objects it holds: ``self.meter(x)``,
     ``self.stats.update(x)`` and ``self.hparams.stats.update(x)`` give ``((),
     "meter")``, ``(("stats",), "update")`` and ``(("hparams", "stats"), "update")``."""
-    ends = {**{i: "" for i, instruction in enumerate(instructions)
-               if instruction.opname in _SELF_LOADS and instruction.argval in selves},
-            **{end: path for end, (_, path) in loads.items()}}
-    return {(parts(path), instructions[end + 1].argval) for end, path in ends.items()
+    return {(parts(path), instructions[end + 1].argval) for end, path in _pushed(instructions, loads, selves).items()
             if end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_METHOD"}
 
 
 def _given(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]], selves: Tuple[str, ...]
            ) -> Set[str]:
     """Paths of ``self`` (``""`` for ``self`` itself) passed to a call."""
-    ends = {**{i: "" for i, instruction in enumerate(instructions[:-1])
-               if instruction.opname in _SELF_LOADS and instruction.argval in selves
-               and instructions[i + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")},
+    def itself(end: int) -> bool:  # self itself, not the owner of a field or method loaded next
+        return end + 1 < len(instructions) and instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")
+    return {path for end, path in _pushed(instructions, loads, selves).items() if (path or itself(end))
+            and (taker := _taker(instructions, end)) is not None and instructions[taker].opname in _CALLS}
+
+
+def _pushed(instructions: List[dis.Instruction], loads: Dict[int, Tuple[int, str]], selves: Tuple[str, ...]
+            ) -> Dict[int, str]:
+    """Index of each instruction that pushes ``self`` (path ``""``) or a field of it -> path."""
+    return {**{i: "" for i, instruction in enumerate(instructions)
+               if instruction.opname in _SELF_LOADS and instruction.argval in selves},
             **{end: path for end, (_, path) in loads.items()}}
-    return {path for end, path in ends.items()
-            if (taker := _taker(instructions, end)) is not None and instructions[taker].opname in _CALLS}
 
 
 def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]) -> List[types.FunctionType]:

@@ -171,8 +171,12 @@ SCAN_C_READS = True  # as this one
 def _changed(result: MergeResult) -> set:
     """Labels some batch changed (a number only compared is merged, but unchanged)."""
     changed = {top_label(label) for label in (*result.conflicts, *result.assumed)}
-    return changed | {top_label(label) for label, (kind, data) in result.merged.items()
-                      if kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)}
+    return changed | {top_label(label) for label, (kind, data) in result.merged.items() if _did_change(kind, data)}
+
+
+def _did_change(kind: Kind, data: Any) -> bool:
+    """Whether a merged record changes its value (one of a number only compared does not)."""
+    return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
 
 
 def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
@@ -235,7 +239,7 @@ def _changed_at(result: MergeResult, label: str, changed: set) -> bool:
 def _changed_below(merged: Tuple[Kind, Any], path: Sequence[str]) -> bool:
     kind, data = merged
     if not path:
-        return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
+        return _did_change(kind, data)
     if kind is not Kind.KEYS:
         return True  # bound anew, or an entry of a list: changed
     _, entries, taken = data
