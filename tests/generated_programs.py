@@ -273,8 +273,26 @@ class Brain:
             self.c_reads.append(_LABELS[self.c_count])
         elif read == "held in a dict":
             self.meters[b % 2].update(value(b))
+        elif read == "unpacked":
+            count, reads = self.c_count + 1, self.c_reads
+            self.c_count, seen = count, self.c_count
+            reads.append(2.5 * seen)
+        elif read == "chosen":
+            self.c_count += 1
+            count = self.c_count if b % 2 else self.c_by_key[0]
+            self.c_reads.append(1.5 * count)
+        elif read == "looped":
+            for meter in (self.meter, self.meters[b % 2]):  # (iterating over the dict is a read of it whole)
+                meter.update(value(b))
+        elif read == "by name":
+            getattr(self, f"_c_read_{'by_name'}")(b)
         else:
             self.meter.update(value(b))
+
+
+    def _c_read_by_name(self, b):  # batch code found at run time: getattr(self, f"_c_read_{...}")
+        self.c_count += 1
+        self.c_reads.append(0.5 * self.c_count)
 
 
 def _arguments(kind, b):
@@ -453,6 +471,10 @@ def _fixed():
         "a dict's int entry read in C": lambda h, b: h.compute_objectives(b, "entry"),
         "an int read in C as a list's index": lambda h, b: h.compute_objectives(b, "index"),
         "read in C by a method of an object in a dict": lambda h, b: h.compute_objectives(b, "held in a dict"),
+        "read in C through a local unpacked": lambda h, b: h.compute_objectives(b, "unpacked"),
+        "read in C through a conditional expression": lambda h, b: h.compute_objectives(b, "chosen"),
+        "read in C in a loop over objects": lambda h, b: h.compute_objectives(b, "looped"),
+        "read in C by a method found by name": lambda h, b: h.compute_objectives(b, "by name"),
         "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
         "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),
         "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),

@@ -158,6 +158,10 @@ def test_a_global_and_a_class_attribute_batches_change_are_named(world_size, tmp
     assert valid and "'global GLOBAL_IDS'" in valid[0] and "'class GlobalState.per_class'" in valid[0], valid
     assert "keep it on the Brain instead" in valid[0]
     assert per_rank[0]["log"][0]["outside"] != single["log"][0]["outside"]  # the naming matters
+    # TEST: 2 batches, so at 3 ranks one rank has none; its rank-local state still differs, and is named
+    test = [w for w in per_rank[0]["warnings"] if "TEST" in w and "state outside the Brain" in w]
+    assert test and "'global GLOBAL_IDS'" in test[0] and "'class GlobalState.per_class'" in test[0], test
+    assert [out["log"][-1]["outside"] for out in per_rank] != [single["log"][-1]["outside"]] * world_size
 
 
 SEEN, RATE, LOGGER = [], 0.5, logging.getLogger("recipe")
