@@ -12,6 +12,7 @@ from speechbrain.core import INTRA_EPOCH_CKPT_FLAG
 import ddp_eval
 import ddp_eval.checkpointing.commit as ckpt_module
 from tests import kill_points, toy
+from tests.mp_harness import ddp_eval_messages
 
 
 def _timed(fn):
@@ -145,19 +146,14 @@ def guarded_saves(rank, world_size, directory):
 def recover_with_warnings(rank, world_size, directory):
     """Resumes a toy model + epoch counter from `directory`; returns what loaded
     and the warnings ddp_eval logged, or the error."""
-    import logging
-
     import speechbrain as sb
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
     model, counter = torch.nn.Linear(64, 64), sb.utils.epoch_loop.EpochCounter(10)
-    ckpter = ddp_eval.Checkpointer(directory, recoverables={"model": model, "counter": counter})
-    found = ckpter.recover_if_possible()
+    with ddp_eval_messages() as warnings:
+        ckpter = ddp_eval.Checkpointer(directory, recoverables={"model": model, "counter": counter})
+        found = ckpter.recover_if_possible()
     return {"found": found.path.name, "weight": float(model.weight[0, 0]), "counter": counter.current,
-            "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+            "warnings": warnings}
 
 
 def async_snapshot_then_change(rank, world_size, directory):

@@ -22,6 +22,7 @@ for measurements of a fresh process's memory.
 """
 
 import atexit
+import contextlib
 import logging
 import multiprocessing.connection
 import os
@@ -344,3 +345,22 @@ class RankPool:
 
 POOL = RankPool()
 atexit.register(POOL.discard)
+
+
+@contextlib.contextmanager
+def ddp_eval_messages(level=logging.WARNING):
+    """The messages ddp_eval logs at ``level`` and up while inside: a list, filled as
+    they come (the logger's level lowered to ``level`` meanwhile; a pool's worker
+    keeps no handler after)."""
+    messages = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("ddp_eval")
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, logger.getEffectiveLevel()))
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

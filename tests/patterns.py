@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader
 
 import ddp_eval
 from tests import toy
+from tests.mp_harness import ddp_eval_messages
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
             "unmergeable_code", "training_only", "outside_reads")
@@ -549,56 +550,34 @@ def ranks_worker(rank, world_size, directory, patterns, opts=None, run_opts=None
     outcome and the ddp_eval warnings this rank logged during it."""
     results = {}
     for pattern in patterns:
-        records = []
-        handler = logging.Handler()
-        handler.emit = records.append
-        logging.getLogger("ddp_eval").addHandler(handler)
         torch.manual_seed(0)
-        ckpt_dir = os.path.join(directory, pattern)
-        try:
-            out = run(build(DDPPatternBrain, ckpt_dir, pattern, opts, run_opts=run_opts), pattern)
-        finally:
-            logging.getLogger("ddp_eval").removeHandler(handler)
-        out["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
-        results[pattern] = out
+        with ddp_eval_messages() as warnings:
+            out = run(build(DDPPatternBrain, os.path.join(directory, pattern), pattern, opts, run_opts=run_opts),
+                      pattern)
+        results[pattern] = {**out, "warnings": warnings}
     return results
 
 
 def ordinary_recipe(rank, world_size, directory):
     """The toy recipe with every metric type and plain attribute (FullBrain) and the
     transformer-style saves: the ddp_eval warnings this rank logged."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
-
     class Converted(ddp_eval.DDPEvalMixin, toy.FullBrain):
         pass
 
-    toy.run_accumulating(toy.build(Converted, directory, epochs=2))
-    toy.run_recipe(toy.build(toy.DDPToyBrain, os.path.join(directory, "toy")))
-    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    with ddp_eval_messages() as warnings:
+        toy.run_accumulating(toy.build(Converted, directory, epochs=2))
+        toy.run_recipe(toy.build(toy.DDPToyBrain, os.path.join(directory, "toy")))
+    return warnings
 
 
 def verify_worker(rank, world_size, directory, pattern, mode):
     """One pattern with ``ddp_eval: {verify: mode}``: its outcome, and what ddp_eval
     logged about verification on this rank (info and up)."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("ddp_eval")
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
     torch.manual_seed(0)
-    try:
-        out = run(build(DDPPatternBrain, os.path.join(directory, pattern), pattern, {"verify": mode,
-                                                                                    "collective_timeout": 60}),
-                  pattern)
-    except ddp_eval.DDPEvalError as error:  # verify: strict, during fit's VALID
-        out = {"error": type(error).__name__, "message": str(error)}
-    finally:
-        logger.removeHandler(handler)
-        logger.level = level
-    out["verification"] = [r.getMessage() for r in records if r.getMessage().startswith("ddp_eval:")
-                           and "verif" in r.getMessage()]
-    return out
+    with ddp_eval_messages(logging.INFO) as messages:
+        try:
+            out = run(build(DDPPatternBrain, os.path.join(directory, pattern), pattern,
+                            {"verify": mode, "collective_timeout": 60}), pattern)
+        except ddp_eval.DDPEvalError as error:  # verify: strict, during fit's VALID
+            out = {"error": type(error).__name__, "message": str(error)}
+    return {**out, "verification": [m for m in messages if m.startswith("ddp_eval:") and "verif" in m]}

@@ -9,6 +9,7 @@ import speechbrain as sb
 
 import ddp_eval
 from tests import toy
+from tests.mp_harness import ddp_eval_messages
 
 
 def recipe(rank, world_size, ckpt_dir, ddp_eval_opts=None, async_save=False):
@@ -94,13 +95,7 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
     """A BatchNorm model trained under DDP for one epoch (lr > 0, so weights and
     running statistics change), then VALID (5 items, batch 4: 2 batches) and
     TEST (7 items, batch 2: 4 batches), so some ranks get no batch."""
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
-    with keep_plain_batchnorm():  # SpeechBrain wraps the modules in on_fit_start
+    with ddp_eval_messages() as warnings, keep_plain_batchnorm():  # SpeechBrain wraps modules in on_fit_start
         brain = toy.build(toy.DDPToyBrain, ckpt_dir, batchnorm=True, epochs=1, lr=0.5)
         sets = {name: toy.make_dataset(n, seed) for name, (n, seed) in BN_SETS.items()}
         brain.fit(brain.hparams.counter, sets["train"], sets["valid"],
@@ -108,8 +103,7 @@ def batchnorm_train_then_eval(rank, world_size, ckpt_dir):
         seen_valid = list(brain.seen.ids)
         brain.evaluate(sets["test"], min_key="loss", test_loader_kwargs={"batch_size": 2})
     return {"log": brain.log, "wrapped": type(brain.modules.model).__name__,
-            "seen": {"valid": seen_valid, "test": brain.seen.ids[len(seen_valid):]},
-            "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+            "seen": {"valid": seen_valid, "test": brain.seen.ids[len(seen_valid):]}, "warnings": warnings}
 
 
 def accumulating_recipe(rank, world_size, ckpt_dir, stream, ddp_eval_opts=None):
@@ -123,8 +117,6 @@ def accumulating_recipe(rank, world_size, ckpt_dir, stream, ddp_eval_opts=None):
 def running_max_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
     """A Brain keeping a running maximum by an ``if`` (a comparison that steers code:
     kept rank-local, reported), and the ids of its last batch (merged)."""
-    import logging
-
     class LastBatch(ddp_eval.DDPEvalMixin, toy.AccumulatingBrain):
         def on_stage_start(self, stage, epoch=None):
             super().on_stage_start(stage, epoch)
@@ -142,54 +134,39 @@ def running_max_attribute(rank, world_size, ckpt_dir, ddp_eval_opts):
             if stage != sb.Stage.TRAIN:
                 self.log[-1]["last_ids"] = self.last_ids
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
-    brain = toy.build(LastBatch, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
-    toy.run_accumulating(brain)
-    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    with ddp_eval_messages() as warnings:
+        toy.run_accumulating(toy.build(LastBatch, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts))
+    return warnings
 
 
 def tensor_state_evaluations(rank, world_size, use_mixin, batch_counts):
     """Evaluates sets of ``batch_counts`` batches (batch size 2) with a
     TensorStateBrain; returns per set the tensors, loss, peak RSS growth of
     evaluate() in MB, and the warnings this rank logged."""
-    import logging
-
     from tests.memory import fixed_mmap_threshold, peak_growth
 
     fixed_mmap_threshold()
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
     base = toy.TensorStateBrain
     cls = type("Converted", (ddp_eval.DDPEvalMixin, base), {}) if use_mixin else base
-    brain = toy.build_tensor_state(cls)
     out = []
-    for batches in batch_counts:
-        data = toy.make_dataset(2 * batches, seed=batches)
-        loss, growth, seconds = peak_growth(brain.evaluate, data, test_loader_kwargs={"batch_size": 2})
-        out.append({"loss": loss, "growth_mb": growth, "seconds": seconds, "counts": brain.counts.clone(),
-                    "acc_small": brain.acc_small.clone(), "acc_big": brain.acc_big.clone(),
-                    "table_version": brain.table._version})
-    return {"runs": out, "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+    with ddp_eval_messages() as warnings:
+        brain = toy.build_tensor_state(cls)
+        for batches in batch_counts:
+            data = toy.make_dataset(2 * batches, seed=batches)
+            loss, growth, seconds = peak_growth(brain.evaluate, data, test_loader_kwargs={"batch_size": 2})
+            out.append({"loss": loss, "growth_mb": growth, "seconds": seconds, "counts": brain.counts.clone(),
+                        "acc_small": brain.acc_small.clone(), "acc_big": brain.acc_big.clone(),
+                        "table_version": brain.table._version})
+    return {"runs": out, "warnings": warnings}
 
 
 def alignment_example(rank, world_size, ddp_eval_opts):
     """The ASR_alignment_viterbi-shaped recipe under the mixin; its result and warnings."""
-    import logging
-
     from tests import alignment
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
-    out = alignment.run(alignment.DDPAlignBrain, ddp_eval_opts)
-    out["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
-    return out
+    with ddp_eval_messages() as warnings:
+        out = alignment.run(alignment.DDPAlignBrain, ddp_eval_opts)
+    return {**out, "warnings": warnings}
 
 
 def save_test_checkpoint(directory, shift=0.0, loss=1.0):
@@ -252,27 +229,22 @@ def resumable_test(rank, world_size, directory, interrupt_after=None, batch_size
     epoch done skips fit, so the resumed run does not)."""
     import logging
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
-    logging.getLogger("ddp_eval").setLevel(logging.INFO)
     cls = type("Converted", (ddp_eval.DDPEvalMixin, brain_class), {})
     brain = toy.build(cls, directory, epochs=1, ddp_eval_opts={"resume_eval_every_s": 0, **(opts or {})})
     brain.interrupt_after = interrupt_after
     if after_fit:
         brain.train_stats, brain.avg_train_loss = {"loss": 1.0}, 1.0
     out = {"notes": [], "batches": 0, "ids": []}
-    try:
-        out["loss"] = brain.evaluate(*_test_args(batch_size, stream))
-        out["log"] = brain.log[-1]
-    except ddp_eval.DDPEvalError as error:  # the other ranks of an interrupted one
-        out["error"] = type(error).__name__
-    except toy.Interrupted:
-        out["error"] = "Interrupted"
+    with ddp_eval_messages(logging.INFO) as notes:
+        try:
+            out["loss"] = brain.evaluate(*_test_args(batch_size, stream))
+            out["log"] = brain.log[-1]
+        except ddp_eval.DDPEvalError as error:  # the other ranks of an interrupted one
+            out["error"] = type(error).__name__
+        except toy.Interrupted:
+            out["error"] = "Interrupted"
     out["batches"], out["ids"] = getattr(brain.seen, "batches", 0), list(brain.seen.ids)
-    out["notes"] = [r.getMessage() for r in records if r.levelno >= logging.INFO]
-    return out
+    return {**out, "notes": notes}
 
 
 def transformer_style_recipe(rank, world_size, ckpt_dir, async_save=False):
@@ -510,16 +482,10 @@ class BestAndWorst(toy.AccumulatingBrain):
 def _converted_accumulating(base, ckpt_dir, ddp_eval_opts):
     """``base`` (an ``AccumulatingBrain``) converted and run: its log and the warnings
     this rank logged."""
-    import logging
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddp_eval").addHandler(handler)
     converted = type("Converted", (ddp_eval.DDPEvalMixin, base), {})
-    brain = toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts)
-    out = toy.run_accumulating(brain)
-    return {"log": out["log"], "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
+    with ddp_eval_messages() as warnings:
+        out = toy.run_accumulating(toy.build(converted, ckpt_dir, epochs=1, ddp_eval_opts=ddp_eval_opts))
+    return {"log": out["log"], "warnings": warnings}
 
 
 def builtin_extremes(rank, world_size, ckpt_dir, ddp_eval_opts):
