@@ -75,6 +75,11 @@ def _count_in_c(brain, b):  # a module's function a batch gives the Brain
     brain.c_reads.append(0.5 * brain.c_count)
 
 
+def _count_by_callback(brain, b):  # a module's function hparams hold, a batch gives the Brain
+    brain.h_count += 1
+    brain.c_reads.append(0.5 * brain.h_count)
+
+
 @dataclasses.dataclass(frozen=True)
 class FrozenTally:
     correct: int = 0
@@ -247,7 +252,10 @@ class Brain:
         self.t_list, self.nested = [], []  # a list of tensors (per-batch losses), a list of lists
         # other references to watched containers: a second attribute, fields of hparams (one level deep)
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
-        self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list))
+        self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list),
+                                             count_in_c=_count_by_callback)  # a function of the recipe's
+        self.u_count = self.k_count = self.n_count = self.h_count = 0
+        self.l_meter, self.e_meters = Meter(), (Meter(),)
         self.c_count, self.c_reads, self.meter = 0, [], Meter()  # read in C by compute_objectives
         self.c_by_key, self.meters = {0: 0, 1: 0}, {0: Meter(), 1: Meter()}
         if start:  # a stage that starts from an earlier one's state
@@ -273,17 +281,22 @@ class Brain:
             self.c_reads.append(_LABELS[self.c_count])
         elif read == "held in a dict":
             self.meters[b % 2].update(value(b))
-        elif read == "unpacked":
-            count, reads = self.c_count + 1, self.c_reads
-            self.c_count, seen = count, self.c_count
+        elif read == "unpacked":  # each form below reads fields no other one reads in C
+            count, reads = self.u_count + 1, self.c_reads
+            self.u_count, seen = count, self.u_count
             reads.append(2.5 * seen)
         elif read == "chosen":
-            self.c_count += 1
-            count = self.c_count if b % 2 else self.c_by_key[0]
+            self.k_count += 1
+            count = self.k_count if b % 2 else self.k_count + 1
             self.c_reads.append(1.5 * count)
         elif read == "looped":
-            for meter in (self.meter, self.meters[b % 2]):  # (iterating over the dict is a read of it whole)
+            for meter in (self.l_meter,):
                 meter.update(value(b))
+        elif read == "enumerated":
+            for at, meter in enumerate(self.e_meters):
+                meter.update(value(b) + at)
+        elif read == "callback":
+            self.hparams.count_in_c(self, b)
         elif read == "by name":
             getattr(self, f"_c_read_{'by_name'}")(b)
         else:
@@ -291,8 +304,8 @@ class Brain:
 
 
     def _c_read_by_name(self, b):  # batch code found at run time: getattr(self, f"_c_read_{...}")
-        self.c_count += 1
-        self.c_reads.append(0.5 * self.c_count)
+        self.n_count += 1
+        self.c_reads.append(0.5 * self.n_count)
 
 
 def _arguments(kind, b):
@@ -475,6 +488,8 @@ def _fixed():
         "read in C through a conditional expression": lambda h, b: h.compute_objectives(b, "chosen"),
         "read in C in a loop over objects": lambda h, b: h.compute_objectives(b, "looped"),
         "read in C by a method found by name": lambda h, b: h.compute_objectives(b, "by name"),
+        "read in C in a loop over enumerate": lambda h, b: h.compute_objectives(b, "enumerated"),
+        "read in C by a function held in hparams": lambda h, b: h.compute_objectives(b, "callback"),
         "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
         "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),
         "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),

@@ -199,7 +199,8 @@ class Branches:
         chosen, either = self.a if b else self.b, self.c or self.d
         for value in (self.e, self.f):
             b += 2.5 * value
-        return 2.5 * chosen + 1.5 * either
+        self.h, swapped = b, self.g  # compiled with a SWAP
+        return 2.5 * chosen + 1.5 * either + 0.5 * swapped
 
 
 class Looped(PerKey):
@@ -207,6 +208,34 @@ class Looped(PerKey):
         for key, stats in self.per_key.items():
             if key == b % 2:
                 stats.update(b)
+
+
+class Enumerated(PerKey):
+    def __init__(self):
+        super().__init__(container=list)
+
+    def _progress(self, b):
+        for at, stats in enumerate(self.per_key):
+            if at == b % 2:
+                stats.update(b)
+
+
+def _score(stats, b, scale=1.0):  # a function of the recipe's module, held in hparams (``!name:``)
+    stats.count += 1
+    stats.means.append(scale * stats.count)
+
+
+def _score_by_update(stats, b, scale=1.0):
+    stats.update(b)
+
+
+class Callbacks(Held):
+    def __init__(self):
+        super().__init__()
+        self.hparams = types.SimpleNamespace(score=_score, update=functools.partial(_score_by_update, scale=2.0))
+
+    def _progress(self, b):
+        self.hparams.score(self.stats, b) if b % 2 else self.hparams.update(self.stats, b)
 
 
 class Dispatched(Counting):
@@ -282,8 +311,10 @@ class Subscripts:
 @pytest.mark.fast
 def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
     assert read_in_c(Unpacked) == {"correct", "seen"}
-    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f"}
-    assert read_in_c_of(Looped()) == {"per_key[*].count", "per_key[*].total"}
+    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g"}
+    assert read_in_c_of(Looped()) == read_in_c_of(Enumerated()) - {"per_key"} == {"per_key[*].count",
+                                                                                  "per_key[*].total"}
+    assert read_in_c_of(Callbacks()) == {"stats", "stats.count", "stats.total"}  # stats: given, not a number
     assert read_in_c(Dispatched) == {"correct", "seen"}  # _progress_running, not _end_running
     assert read_in_c_of(Dispatched()) == {"correct", "seen", "hparams.running_stats.count",
                                           "hparams.running_stats.total"}
@@ -307,7 +338,7 @@ def test_the_scan_finds_right_operands_read_in_c():
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
                                     InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted,
-                                    Indexed, Sliced, Decorated, Unpacked, Looped, Dispatched])
+                                    Indexed, Sliced, Decorated, Unpacked, Looped, Enumerated, Callbacks, Dispatched])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""

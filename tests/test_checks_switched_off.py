@@ -133,7 +133,8 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
                                        "an int read in C as a list's index", "read in C through a local unpacked",
                                        "read in C through a conditional expression",
                                        "read in C in a loop over objects",
-                                       "read in C by a method found by name"])
+                                       "read in C by a method found by name",
+                                       "read in C by a function held in hparams"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without

@@ -77,7 +77,7 @@ ENTRY = "[*]"  # in a path: any entry of a container
 ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: any whose name matches
 Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 Named = FrozenSet[Tuple[types.FunctionType, str]]  # a global's name, and a function that names it
-Scan = Tuple[FrozenSet[str], Calls, Named]  # read in C, called, globals named
+Scan = Tuple[FrozenSet[str], Calls, Named, FrozenSet[str]]  # read in C, called, globals named, given to calls
 Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (where its load starts, its paths)
 
 
@@ -125,7 +125,7 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
             continue
         done.add((path, type(owner), methods))
         owners[id(owner)] = owner
-        reads, calls, more = _scan(type(owner), methods)
+        reads, calls, more, given = _scan(type(owner), methods)
         found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name))}
         named |= more
         for fields, method in {(concrete, method) for place, method in calls for concrete in _expand(owner, place)}:
@@ -137,11 +137,41 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
                 if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
                     place, name, target = (*fields, method), "__call__", getattr(target, "__dict__", {}).get(method)
                     function = getattr(type(target), name, None)
+                    if _callback(target):  # self.hparams.score(self.stats, x): as a module's function given them
+                        more_reads, more_calls = _given_to(_callback(target), owner, given)
+                        found |= {label_of((*path, *read)) for read in more_reads}
+                        pending += [((*path, *place), value, (name,)) for place, value, name in more_calls]
+                        continue
                 elif not fields:
                     continue  # a method of the owner's own: scanned with it
                 if _the_recipes(function):
                     pending.append(((*path, *place), target, (name,)))
     return found, list(owners.values()), named
+
+
+def _callback(value: Any) -> Optional[types.FunctionType]:
+    """The recipe's function ``value`` is, or wraps as a ``functools.partial``
+    (``!name:`` in hparams), if any."""
+    function = value.func if isinstance(value, functools.partial) else value
+    return function if _the_recipes(function) else None
+
+
+def _given_to(function: types.FunctionType, owner: Any, given: FrozenSet[str]
+              ) -> Tuple[Set[Tuple[str, ...]], List[Tuple[Tuple[str, ...], Any, str]]]:
+    """(paths read in C, (path, object, method) of the recipe's methods called) of a
+    ``function`` the batch code calls, taken as given each of the paths of ``owner``
+    that code gives to calls (``""``: ``owner`` itself)."""
+    parameters = function.__code__.co_varnames[:function.__code__.co_argcount + function.__code__.co_kwonlyargcount]
+    reads, calls, _, _ = _scan_function(function, parameters, _DEPTH)
+    found: Set[Tuple[str, ...]] = set()
+    called: List[Tuple[Tuple[str, ...], Any, str]] = []
+    for path in given:
+        found |= {concrete for read in reads for concrete in _expand(owner, (*parts(path), *parts(read)))}
+        for fields, method in calls:
+            place = (*parts(path), *fields)
+            called += [(place, value, method) for value in {type(v): v for v in values_at(owner, place)}.values()
+                       if _the_recipes(getattr(type(value), method, None))]
+    return found, called
 
 
 def parts(label: str) -> Tuple[str, ...]:
@@ -178,18 +208,19 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
     named: Set[Tuple[types.FunctionType, str]] = set()
+    given: FrozenSet[str] = frozenset()
     pending, done = list(methods), set()
     while pending:
         name = pending.pop()
         if name in done:
             continue
         done.add(name)
-        found, called, more = set(), set(), set()
+        found, called = set(), set()
         for function in _implementations(owner_class, name):
             scanned = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
-            found, called, more = found | scanned[0], called | scanned[1], more | scanned[2]
+            found, called, named, given = (found | scanned[0], called | scanned[1], named | scanned[2],
+                                           given | scanned[3])
         reads |= found
-        named |= more
         pending += [name for name in found if isinstance(getattr(owner_class, name, None), types.FunctionType)]
         for fields, method in called:
             if not fields and method.startswith("{"):
@@ -198,7 +229,7 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
                 pending.append(method)  # self.helper(...)
             else:
                 calls.add((fields, method))
-    return frozenset(reads), frozenset(calls), frozenset(named)
+    return frozenset(reads), frozenset(calls), frozenset(named), given
 
 
 def _expand(owner: Any, path: Sequence[str]) -> List[Tuple[str, ...]]:
@@ -262,7 +293,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
     calls deep."""
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
-    named = set()
+    named, gives = set(), set()
     for code in _with_nested(function.__code__):
         instructions = list(dis.get_instructions(code))
         named |= {(function, instruction.argval) for instruction in instructions
@@ -272,14 +303,15 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
             instructions, loads)
         calls |= _field_calls(instructions, loads, selves) if selves else set()
         given = _given(instructions, loads, selves) if selves else set()
+        gives |= given
         for module_function in _module_functions(instructions, function.__globals__) if depth else ():
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
-            found, called, more = _scan_function(module_function, parameters if given else (), depth - 1)
+            found, called, more, _ = _scan_function(module_function, parameters if given else (), depth - 1)
             named |= more
             for path in given:
                 reads |= {label_of((*parts(path), *parts(read))) for read in found}
                 calls |= {((*parts(path), *fields), method) for fields, method in called}
-    return frozenset(reads), frozenset(calls), frozenset(named)
+    return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives)
 
 
 def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -323,8 +355,8 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         fetched = {call: frozenset(f"{path}.{name}" if path else name for path in paths)
                    for call, (_, paths, name) in _getattrs(instructions, loads, selves).items()}
         bound: Dict[str, Set[str]] = collections.defaultdict(set)
-        for end, (_, paths) in loads.items():
-            for name, entry in _bound_to(instructions, end):
+        for end, (start, paths) in loads.items():
+            for name, entry in _bound_to(instructions, start, end):
                 bound[name] |= {f"{path}{ENTRY}" if entry else path for path in paths}
         if {name: frozenset(paths) for name, paths in bound.items()} == aliases and set(fetched) <= set(loads):
             return loads
@@ -373,10 +405,10 @@ def _name_of(instructions: List[dis.Instruction]) -> str:
     return "{" + re.sub(r"\*+", "*", "".join(pieces)) + "}"
 
 
-def _bound_to(instructions: List[dis.Instruction], end: int) -> List[Tuple[str, bool]]:
-    """The locals the value pushed at ``end`` is bound to, each with whether it is
-    bound to the value's entries (a ``for`` loop over it, its ``values()`` or
-    ``items()``)."""
+def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List[Tuple[str, bool]]:
+    """The locals the value pushed from ``start`` to ``end`` is bound to, each with
+    whether it is bound to the value's entries (a ``for`` loop over it, its
+    ``values()`` or ``items()``, or ``enumerate`` of it)."""
     def at(index: int, *opnames: str) -> bool:
         return index < len(instructions) and instructions[index].opname in opnames
     taker = _taker(instructions, end)
@@ -389,7 +421,11 @@ def _bound_to(instructions: List[dis.Instruction], end: int) -> List[Tuple[str, 
     if taker is not None and at(taker, "BUILD_TUPLE", "BUILD_LIST") and at(taker + 1, "GET_ITER") and at(
             taker + 2, "FOR_ITER") and at(taker + 3, "STORE_FAST"):  # for x in (v, w)
         return [(instructions[taker + 3].argval, False)]
-    items = at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval == "items"
+    if taker is not None and at(start - 1, "LOAD_GLOBAL") and instructions[start - 1].argval == "enumerate" and at(
+            taker, "PRECALL") and instructions[taker].arg == 1 and at(taker + 1, "CALL"):
+        end, items = taker + 1, True  # for i, x in enumerate(v)
+    else:
+        items = at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval == "items"
     if at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval in ("values", "items") and at(
             end + 2, "PRECALL") and at(end + 3, "CALL"):
         end += 3
@@ -521,6 +557,10 @@ def _take(instructions: List[dis.Instruction], at: int) -> Tuple[Optional[int], 
             if above == 1 or instruction.offset > instruction.argval or "BACKWARD" in instruction.opname:
                 return None, above  # the value tested, or a loop
             # a test of a value above it, in an expression whose branches each push one: the first branch
+        if instruction.opname == "SWAP":  # a, b = b, a: the value moves
+            above = instruction.arg if above == 1 else 1 if above == instruction.arg else above
+            index += 1
+            continue
         effect = stack_effect(instruction)
         if above + effect <= 0 or (instruction.opname in _TWO_IN and above <= 2) or (
                 above == 1 and effect >= 0 and instruction.opname not in ("KW_NAMES", "NOP", "CACHE")
