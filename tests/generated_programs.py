@@ -308,6 +308,20 @@ class Brain:
         self.c_reads.append(0.5 * self.n_count)
 
 
+_C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
+    "read in C through a local": "local", "read in C by a function given self": "function",
+    "read in C by a held object's method": "held", "read in C by a function given a field": "function given a field",
+    "a dict's int entry read in C": "entry", "an int read in C as a list's index": "index",
+    "read in C by a method of an object in a dict": "held in a dict", "read in C through a local unpacked": "unpacked",
+    "read in C through a conditional expression": "chosen", "read in C in a loop over objects": "looped",
+    "read in C by a method found by name": "by name", "read in C in a loop over enumerate": "enumerated",
+    "read in C by a function held in hparams": "callback"}
+
+
+def _read_in_c(h, b, read):
+    h.compute_objectives(b, read)
+
+
 def _arguments(kind, b):
     """The argument shapes tried, in order, for a method of ``kind`` in batch ``b``."""
     i = b % 3
@@ -477,19 +491,7 @@ def _fixed():
         "if v > best: best = v": _keep_max_by_if,
         "n = max(n, v)": _int_made_float_by_max,
         "n = v + n": _int_made_float_by_sum,
-        "read in C through a local": lambda h, b: h.compute_objectives(b, "local"),
-        "read in C by a function given self": lambda h, b: h.compute_objectives(b, "function"),
-        "read in C by a held object's method": lambda h, b: h.compute_objectives(b, "held"),
-        "read in C by a function given a field": lambda h, b: h.compute_objectives(b, "function given a field"),
-        "a dict's int entry read in C": lambda h, b: h.compute_objectives(b, "entry"),
-        "an int read in C as a list's index": lambda h, b: h.compute_objectives(b, "index"),
-        "read in C by a method of an object in a dict": lambda h, b: h.compute_objectives(b, "held in a dict"),
-        "read in C through a local unpacked": lambda h, b: h.compute_objectives(b, "unpacked"),
-        "read in C through a conditional expression": lambda h, b: h.compute_objectives(b, "chosen"),
-        "read in C in a loop over objects": lambda h, b: h.compute_objectives(b, "looped"),
-        "read in C by a method found by name": lambda h, b: h.compute_objectives(b, "by name"),
-        "read in C in a loop over enumerate": lambda h, b: h.compute_objectives(b, "enumerated"),
-        "read in C by a function held in hparams": lambda h, b: h.compute_objectives(b, "callback"),
+        **{name: functools.partial(_read_in_c, read=read) for name, read in _C_READS.items()},
         "max": lambda h, b: setattr(h, "x", max(h.x, value(b))),
         "min": lambda h, b: setattr(h, "x", min(h.x, value(b))),
         "+= float": lambda h, b: setattr(h, "x", h.x + value(b)),
