@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from ddp_eval.state._c_reads import parts, read_in_c, read_in_c_of, values_at
+from ddp_eval.state._c_reads import read_in_c, read_in_c_of, values_at
+from ddp_eval.state._field_flow import parts
 from tests.test_attribute_tracking import simulate
 
 

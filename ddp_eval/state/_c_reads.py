@@ -14,7 +14,8 @@ operator or a comparison, whose left operand is neither another field of
 for one passed to a call (``math.sqrt(self.total)``, ``torch.tensor(self.x)``: C
 code takes the value of a float or int subclass directly), but for the builtin
 ``max`` or ``min`` the merge replays as a choice, or used as the index of a
-container that is not watched (``LABELS[self.n]``).
+container that is not watched (``LABELS[self.n]``); the instructions are
+followed by :mod:`ddp_eval.state._field_flow`.
 
 The code scanned, with its nested functions: ``compute_forward``,
 ``compute_objectives`` and ``evaluate_batch``; the methods they call on
@@ -54,31 +55,21 @@ import fnmatch
 import functools
 import inspect
 import os
-import re
 import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ddp_eval.state._select import JUMPS, choice_at, stack_effect
+from ddp_eval.state._field_flow import ANY, ENTRY, label_of, parts, uses
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
-_OPERATORS = ("BINARY_OP", "COMPARE_OP")
-_SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
-_SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflected method (an int's: its own)
-_CALLS = ("PRECALL", "CALL", "CALL_FUNCTION_EX")
-_TWO_IN = ("BINARY_OP", "COMPARE_OP", "BINARY_SUBSCR", "CONTAINS_OP", "IS_OP")  # take two, give one
 _STAGE_HOOKS = ("on_stage_start", "on_stage_end", "on_evaluate_start", "on_fit_start")  # not batch code
-_KEEPING = ("JUMP_IF_TRUE_OR_POP", "JUMP_IF_FALSE_OR_POP")  # a jump that keeps the value it tests
 _DEPTH = 4  # objects held in objects: how deep method calls are followed
 LIBRARIES = {*sys.stdlib_module_names, "torch", "numpy", "speechbrain"}
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-in's methods are not the recipe's
 
-ENTRY = "[*]"  # in a path: any entry of a container
-ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: any whose name matches
 Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 Named = FrozenSet[Tuple[types.FunctionType, str]]  # a global's name, and a function that names it
 Scan = Tuple[FrozenSet[str], Calls, Named, FrozenSet[str]]  # read in C, called, globals named, given to calls
-Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (where its load starts, its paths)
 
 
 def read_in_c(owner_class: type, methods: Tuple[str, ...] = BATCH_METHODS) -> FrozenSet[str]:
@@ -172,16 +163,6 @@ def _given_to(function: types.FunctionType, owner: Any, given: FrozenSet[str]
             called += [(place, value, method) for value in {type(v): v for v in values_at(owner, place)}.values()
                        if _the_recipes(getattr(type(value), method, None))]
     return found, called
-
-
-def parts(label: str) -> Tuple[str, ...]:
-    """``per_key[*].count`` -> ``("per_key", "[*]", "count")``."""
-    return tuple(re.findall(r"\[\*\]|[^.\[\]]+", label))
-
-
-def label_of(path: Sequence[str]) -> str:
-    """:func:`parts` undone."""
-    return "".join(part if part == ENTRY or not at else f".{part}" for at, part in enumerate(path))
 
 
 def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
@@ -298,12 +279,8 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
         instructions = list(dis.get_instructions(code))
         named |= {(function, instruction.argval) for instruction in instructions
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
-        loads = _attribute_loads(instructions, selves) if selves else {}
-        reads |= _right_operands(instructions, loads) | _call_arguments(code, instructions, loads, selves) | _indices(
-            instructions, loads)
-        calls |= _field_calls(instructions, loads, selves) if selves else set()
-        given = _given(instructions, loads, selves) if selves else set()
-        gives |= given
+        found, called, given = uses(code, selves)
+        reads, calls, gives = reads | found, calls | called, gives | given
         for module_function in _module_functions(instructions, function.__globals__) if depth else ():
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
             found, called, more, _ = _scan_function(module_function, parameters if given else (), depth - 1)
@@ -319,200 +296,6 @@ def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             yield from _with_nested(constant)
-
-
-def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...]) -> Loads:
-    """Index of each instruction that pushes a field of ``self`` -> (index of the load
-    it starts from, the paths it may be): ``self.n``, ``self.stats.count`` and
-    ``self.per_key[k].count`` (``n``, ``stats.count``, ``per_key[*].count``), or
-    through a local bound to one (``stats = self.stats``, ``a, b = self.a, self.b``,
-    ``x = self.a if c else self.b``, ``(x := self.a)``; ``for m in self.meters``:
-    ``meters[*]``)."""
-    def chains(starts: Dict[int, FrozenSet[str]]) -> Loads:
-        found = {}
-        for start, paths in starts.items():
-            end = start
-            while True:
-                while end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_ATTR":
-                    end += 1
-                    paths = frozenset(f"{path}.{instructions[end].argval}" if path else instructions[end].argval
-                                      for path in paths)
-                taker, above = _take(instructions, end)
-                if "" in paths or taker is None or instructions[taker].opname != "BINARY_SUBSCR" or above != 2:
-                    break
-                end, paths = taker, frozenset(f"{path}{ENTRY}" for path in paths)  # one of the container's entries
-            if "" not in paths:
-                found[end] = (start, paths)
-        return found
-    starts = {i: frozenset({""}) for i, instruction in enumerate(instructions)
-              if instruction.opname in _SELF_LOADS and instruction.argval in selves}
-    aliases: Dict[str, FrozenSet[str]] = {}
-    fetched: Dict[int, FrozenSet[str]] = {}
-    for _ in range(8):  # a local bound to a local bound to a field, too
-        through = {i: aliases[instruction.argval] for i, instruction in enumerate(instructions)
-                   if instruction.opname == "LOAD_FAST" and instruction.argval in aliases}
-        loads = chains({**starts, **fetched, **through})
-        fetched = {call: frozenset(f"{path}.{name}" if path else name for path in paths)
-                   for call, (_, paths, name) in _getattrs(instructions, loads, selves).items()}
-        bound: Dict[str, Set[str]] = collections.defaultdict(set)
-        for end, (start, paths) in loads.items():
-            for name, entry in _bound_to(instructions, start, end):
-                bound[name] |= {f"{path}{ENTRY}" if entry else path for path in paths}
-        if {name: frozenset(paths) for name, paths in bound.items()} == aliases and set(fetched) <= set(loads):
-            return loads
-        aliases = {name: frozenset(paths) for name, paths in bound.items()}
-    return loads
-
-
-def _getattrs(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]
-              ) -> Dict[int, Tuple[int, FrozenSet[str], str]]:
-    """Each call ``getattr(v, name)`` of ``self`` or a field of it: index of its
-    ``CALL`` -> (index of its ``LOAD_GLOBAL``, the paths of ``v``, the name, :data:`ANY`
-    unless a constant)."""
-    owners = {**{i: (i, frozenset({""})) for i, instruction in enumerate(instructions)
-                 if instruction.opname in _SELF_LOADS and instruction.argval in selves}, **loads}
-    starts = {start: (end, paths) for end, (start, paths) in owners.items()}
-    found = {}
-    for at, instruction in enumerate(instructions[:-1]):
-        if instruction.opname != "LOAD_GLOBAL" or instruction.argval != "getattr" or at + 1 not in starts:
-            continue
-        owner, paths = starts[at + 1]
-        precall = next((i for i in range(owner + 1, len(instructions) - 1) if instructions[i].opname == "PRECALL"),
-                       None)
-        if precall is None or instructions[precall].arg != 2:
-            continue  # a name computed by a call (name.lower()) is not followed
-        found[precall + 1] = (at, paths, _name_of(instructions[owner + 1:precall]))
-    return found
-
-
-def _name_of(instructions: List[dis.Instruction]) -> str:
-    """The name a ``getattr`` is given, from the code computing it: a constant's, or a
-    pattern (``f"_batch_{stage}"``: ``{_batch_*}``, :data:`ANY` if not made of
-    constants and values joined)."""
-    if len(instructions) == 1 and instructions[0].opname == "LOAD_CONST" and isinstance(instructions[0].argval, str):
-        return instructions[0].argval
-    pieces: List[str] = []
-    for instruction in instructions:
-        if instruction.opname == "LOAD_CONST" and isinstance(instruction.argval, str):
-            pieces.append(re.sub(r"[^\w]", "?", instruction.argval))  # no separator of a path's parts
-        elif instruction.opname == "FORMAT_VALUE" and instruction.arg & 0x04:
-            pieces[-1:] = []  # a format spec's constant
-        elif instruction.opname.startswith("LOAD_"):
-            pieces.append("*")
-        elif not (instruction.opname in ("FORMAT_VALUE", "BUILD_STRING") or (
-                instruction.opname == "BINARY_OP" and instruction.argrepr == "+")):
-            return ANY
-    return "{" + re.sub(r"\*+", "*", "".join(pieces)) + "}"
-
-
-def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List[Tuple[str, bool]]:
-    """The locals the value pushed from ``start`` to ``end`` is bound to, each with
-    whether it is bound to the value's entries (a ``for`` loop over it, its
-    ``values()`` or ``items()``, or ``enumerate`` of it)."""
-    def at(index: int, *opnames: str) -> bool:
-        return index < len(instructions) and instructions[index].opname in opnames
-    taker = _taker(instructions, end)
-    if taker is not None and at(taker, "STORE_FAST"):  # x = v; a, b = v, w; x = v if c else w
-        return [(instructions[taker].argval, False)]
-    if at(end + 1, "COPY") and instructions[end + 1].arg == 1 and at(end + 2, "STORE_FAST"):  # (x := v)
-        return [(instructions[end + 2].argval, False)]
-    if taker is not None and at(taker, "GET_ITER") and at(taker - 1, "BUILD_TUPLE", "BUILD_LIST"):
-        taker -= 1  # for x in (v, w): the tuple taken as the first value (_take)
-    if taker is not None and at(taker, "BUILD_TUPLE", "BUILD_LIST") and at(taker + 1, "GET_ITER") and at(
-            taker + 2, "FOR_ITER") and at(taker + 3, "STORE_FAST"):  # for x in (v, w)
-        return [(instructions[taker + 3].argval, False)]
-    if taker is not None and at(start - 1, "LOAD_GLOBAL") and instructions[start - 1].argval == "enumerate" and at(
-            taker, "PRECALL") and instructions[taker].arg == 1 and at(taker + 1, "CALL"):
-        end, items = taker + 1, True  # for i, x in enumerate(v)
-    else:
-        items = at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval == "items"
-    if at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval in ("values", "items") and at(
-            end + 2, "PRECALL") and at(end + 3, "CALL"):
-        end += 3
-    if at(end + 1, "GET_ITER") and at(end + 2, "FOR_ITER"):
-        if items and at(end + 3, "UNPACK_SEQUENCE") and at(end + 4, "STORE_FAST") and at(end + 5, "STORE_FAST"):
-            return [(instructions[end + 5].argval, True)]  # for k, x in v.items()
-        if not items and at(end + 3, "STORE_FAST"):  # for x in v; for x in v.values()
-            return [(instructions[end + 3].argval, True)]
-    return []
-
-
-def _right_operands(instructions: List[dis.Instruction], loads: Loads) -> Set[str]:
-    found: Set[str] = set()
-    for end, (start, paths) in loads.items():
-        if end + 1 >= len(instructions) or instructions[end + 1].opname not in _OPERATORS or start < 1:
-            continue
-        left = instructions[start - 1]
-        if start - 1 in loads or (left.opname == "LOAD_CONST" and isinstance(left.argval, _SEEN_CONSTANTS)):
-            continue  # self.x + self.n: x's probe sees n as its operand; 2 * self.n: n's reflected method
-        found |= paths
-    return found
-
-
-def _call_arguments(code: types.CodeType, instructions: List[dis.Instruction], loads: Loads,
-                    selves: Tuple[str, ...]) -> Set[str]:
-    """Fields of ``self`` passed to a call (``math.sqrt(self.total)``,
-    ``torch.tensor(self.x)``: C code takes a float's value without calling the
-    probe's methods), but for a running extreme the merge replays as a choice
-    (``self.low = min(s, self.low)``, :mod:`ddp_eval.state._select`), and for
-    ``getattr(self.x, name)``; not a field called (``getattr(self, name)(x)``)."""
-    fetching = set(_getattrs(instructions, loads, selves))
-    found: Set[str] = set()
-    for end, (_, paths) in loads.items():
-        taker = _taker(instructions, end)
-        if taker is not None and _is_argument(instructions, taker) and taker + 1 not in fetching and not _is_choice(
-                code, instructions, taker):
-            found |= paths
-    return found
-
-
-def _is_argument(instructions: List[dis.Instruction], taker: int) -> bool:
-    """Whether a value taken at ``taker`` is a call's argument: Python 3.11's ``PRECALL
-    n`` takes those (``PRECALL 0`` and the ``CALL`` after a ``PRECALL``: the callable)."""
-    instruction = instructions[taker]
-    return instruction.opname in _CALLS and not (instruction.opname == "PRECALL" and instruction.arg == 0) and not (
-        instruction.opname == "CALL" and taker and instructions[taker - 1].opname == "PRECALL")
-
-
-def _indices(instructions: List[dis.Instruction], loads: Loads) -> Set[str]:
-    """Fields of ``self`` used as an index or a slice's bound of a container that is not
-    one (``NAMES[self.n]``, ``x[:self.n]``): a list or a string takes an ``int``'s value
-    in C. A watched container's recording copy sees its index (``self.items[self.n]``)."""
-    taken = {end: _take(instructions, end) for end in loads}
-    of_self = {taker for taker, above in taken.values() if above == 2} | {  # a field subscripted
-        end for end, (_, paths) in loads.items() if any(path.endswith(ENTRY) for path in paths)}
-    return {path for end, (_, paths) in loads.items() for path in paths if taken[end][0] is not None and (
-        instructions[taken[end][0]].opname == "BUILD_SLICE" or (
-            instructions[taken[end][0]].opname in ("BINARY_SUBSCR", "STORE_SUBSCR", "DELETE_SUBSCR")
-            and taken[end][1] == 1 and taken[end][0] not in of_self))}
-
-
-def _field_calls(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]
-                 ) -> Set[Tuple[Tuple[str, ...], str]]:
-    """Methods called on ``self`` and the objects it holds: ``self.meter(x)``,
-    ``self.stats.update(x)`` and ``self.hparams.stats.update(x)`` give ``((),
-    "meter")``, ``(("stats",), "update")`` and ``(("hparams", "stats"), "update")``;
-    ``getattr(self, name)(x)`` gives ``((), ANY)``."""
-    called = {(parts(path), instructions[end + 1].argval) for end, paths in _pushed(instructions, loads, selves).items()
-              for path in paths if end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_METHOD"}
-    return called | {(parts(path), name) for at, paths, name in _getattrs(instructions, loads, selves).values()
-                     if at and instructions[at - 1].opname == "PUSH_NULL" for path in paths}  # getattr(self, name)(x)
-
-
-def _given(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Set[str]:
-    """Paths of ``self`` (``""`` for ``self`` itself) passed to a call."""
-    def itself(end: int) -> bool:  # self itself, not the owner of a field or method loaded next
-        return end + 1 < len(instructions) and instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")
-    return {path for end, paths in _pushed(instructions, loads, selves).items() for path in paths
-            if (path or itself(end)) and (taker := _taker(instructions, end)) is not None
-            and instructions[taker].opname in _CALLS}
-
-
-def _pushed(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Dict[int, FrozenSet[str]]:
-    """Index of each instruction that pushes ``self`` (path ``""``) or a field of it -> its paths."""
-    return {**{i: frozenset({""}) for i, instruction in enumerate(instructions)
-               if instruction.opname in _SELF_LOADS and instruction.argval in selves},
-            **{end: paths for end, (_, paths) in loads.items()}}
 
 
 def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]) -> List[types.FunctionType]:
@@ -537,40 +320,3 @@ def _the_recipes(function: Any) -> bool:
         and not function.__code__.co_filename.startswith(_OURS)  # nor a stand-in's
 
 
-def _taker(instructions: List[dis.Instruction], at: int) -> Optional[int]:
-    """The index of the instruction that takes the value ``at`` pushed off the stack
-    (None past a jump or the end)."""
-    return _take(instructions, at)[0]
-
-
-def _take(instructions: List[dis.Instruction], at: int) -> Tuple[Optional[int], int]:
-    """:func:`_taker`, and how many values from the taken one up it takes (1: the
-    value is its last operand; 2: the one before, as a subscript's container)."""
-    above = 1  # the value and what lies above it
-    index = at + 1
-    while index < len(instructions):
-        instruction = instructions[index]
-        if instruction.opcode in JUMPS:  # past a conditional expression's branch, or `v or w` keeping v: go on
-            if instruction.opname == "JUMP_FORWARD" or (instruction.opname in _KEEPING and above == 1):
-                index = next((i for i, to in enumerate(instructions) if to.offset == instruction.argval), index + 1)
-                continue
-            if above == 1 or instruction.offset > instruction.argval or "BACKWARD" in instruction.opname:
-                return None, above  # the value tested, or a loop
-            # a test of a value above it, in an expression whose branches each push one: the first branch
-        if instruction.opname == "SWAP":  # a, b = b, a: the value moves
-            above = instruction.arg if above == 1 else 1 if above == instruction.arg else above
-            index += 1
-            continue
-        effect = stack_effect(instruction)
-        if above + effect <= 0 or (instruction.opname in _TWO_IN and above <= 2) or (
-                above == 1 and effect >= 0 and instruction.opname not in ("KW_NAMES", "NOP", "CACHE")
-                and not instruction.opname.startswith(("LOAD_", "PUSH_", "BUILD_", "COPY", "MAKE_"))):
-            return index, above
-        above += effect
-        index += 1
-    return None, above
-
-
-def _is_choice(code: types.CodeType, instructions: List[dis.Instruction], taker: int) -> bool:
-    call = next((i for i in instructions[taker:] if i.opname == "CALL"), None)  # Python 3.11: after its PRECALL
-    return call is not None and choice_at(code, call.offset) is not None

@@ -44,8 +44,9 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Seq
 
 from ddp_eval.state._aliases import SharedCopies
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
-from ddp_eval.state._c_reads import ENTRY, parts, read_in_c_of, values_at
+from ddp_eval.state._c_reads import read_in_c_of, values_at
 from ddp_eval.state._declared import DeclaredSlot
+from ddp_eval.state._field_flow import ENTRY, parts
 from ddp_eval.state._lazy_metrics import LazyMetricFields
 from ddp_eval.state._metric_layout import complete, describe
 from ddp_eval.state._values import ELSEWHERE, Kind, Op, recipe_names
