@@ -233,15 +233,19 @@ def _own_methods(owner_class: type, pattern: str = ANY) -> Tuple[str, ...]:
     """The methods of the recipe's own in ``owner_class`` that no library parent has
     (not ``on_stage_end``: it runs after the merge), but the batch methods, whose
     names match ``pattern``: those a ``getattr(self, name)(...)`` may run."""
-    libraries = {name for cls in owner_class.__mro__ if not _the_recipes_class(cls) for name in vars(cls)}
+    libraries = {name for cls in owner_class.__mro__ if of_a_library(cls) for name in vars(cls)}
     return tuple(dict.fromkeys(
         name for cls in owner_class.__mro__ for name, function in vars(cls).items()
         if _the_recipes(inspect.unwrap(function)) and _matches(name, pattern) and (name in BATCH_METHODS or not (
             name in libraries or name in _STAGE_HOOKS or name.startswith("__")))))
 
 
-def _the_recipes_class(cls: type) -> bool:
-    return (cls.__module__ or "").split(".")[0] not in LIBRARIES | {"builtins", "ddp_eval"}
+def of_a_library(cls: type) -> bool:
+    """Whether ``cls`` is a library's (Python's own, torch, NumPy, SpeechBrain) or one
+    of ddp_eval's own (the mixin, a stand-in), not the recipe's."""
+    return (cls.__module__ or "").split(".")[0] in LIBRARIES | {"builtins"} or (
+        (cls.__module__ or "").startswith("ddp_eval")
+        and getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls)  # not a doctest's
 
 
 def _implementations(owner_class: type, name: str) -> List[types.FunctionType]:

@@ -26,14 +26,13 @@ Example
 """
 
 import collections
-import sys
 import types
 from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
 
 from ddp_eval import sb_compat
-from ddp_eval.state._c_reads import LIBRARIES, reach
+from ddp_eval.state._c_reads import of_a_library, reach
 from ddp_eval.state._explain import Fingerprint, of_a_framework
 from ddp_eval.state._values import is_array, is_number
 
@@ -129,7 +128,7 @@ def reached_outside(brain: Any) -> Dict[str, Any]:
         elif _is_state(value):
             found[f"global {name}" if module == type(brain).__module__ else f"global {module}.{name}"] = value
     for cls in dict.fromkeys(classes):
-        if (cls.__module__ or "").split(".")[0] in LIBRARIES or _of_ddp_eval(cls):
+        if of_a_library(cls):
             continue
         for name, value in vars(cls).items():
             if not name.startswith("__") and _is_state(value):
@@ -146,14 +145,7 @@ def _is_state(value: Any) -> bool:
         return True
     return not isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
                                   types.MethodType, staticmethod, classmethod, property)) \
-        and (type(value).__module__ or "").split(".")[0] not in LIBRARIES | {"builtins"} \
-        and not _of_ddp_eval(type(value))
-
-
-def _of_ddp_eval(cls: type) -> bool:
-    """Whether ``cls`` is one of ddp_eval's own classes (the mixin, a stand-in)."""
-    return (cls.__module__ or "").startswith("ddp_eval") and getattr(
-        sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
+        and not of_a_library(type(value))
 
 
 def outside_markers(brain: Any, skip_ids: Iterable[int] = ()) -> Dict[str, Marker]:
