@@ -201,6 +201,8 @@ class Branches:
         for value in (self.e, self.f):
             b += 2.5 * value
         self.h, swapped = b, self.g  # compiled with a SWAP
+        for _name, _first, second in zip(LABELS, self.pairs, self.others):  # zip: each by its position
+            b += 1.5 * second
         return 2.5 * chosen + 1.5 * either + 0.5 * swapped
 
 
@@ -312,7 +314,7 @@ class Subscripts:
 @pytest.mark.fast
 def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
     assert read_in_c(Unpacked) == {"correct", "seen"}
-    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g"}
+    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g", "pairs", "others", "others[*]"}
     assert read_in_c_of(Looped()) == read_in_c_of(Enumerated()) - {"per_key"} == {"per_key[*].count",
                                                                                   "per_key[*].total"}
     assert read_in_c_of(Callbacks()) == {"stats", "stats.count", "stats.total"}  # stats: given, not a number

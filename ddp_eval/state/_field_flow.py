@@ -151,7 +151,7 @@ def _name_of(instructions: List[dis.Instruction]) -> str:
 def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List[Tuple[str, bool]]:
     """The locals the value pushed from ``start`` to ``end`` is bound to, each with
     whether it is bound to the value's entries (a ``for`` loop over it, its
-    ``values()`` or ``items()``, or ``enumerate`` of it)."""
+    ``values()`` or ``items()``, ``enumerate`` or ``zip`` of it)."""
     def at(index: int, *opnames: str) -> bool:
         return index < len(instructions) and instructions[index].opname in opnames
     taker = _taker(instructions, end)
@@ -164,11 +164,10 @@ def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List
     if taker is not None and at(taker, "BUILD_TUPLE", "BUILD_LIST") and at(taker + 1, "GET_ITER") and at(
             taker + 2, "FOR_ITER") and at(taker + 3, "STORE_FAST"):  # for x in (v, w)
         return [(instructions[taker + 3].argval, False)]
-    if taker is not None and at(start - 1, "LOAD_GLOBAL") and instructions[start - 1].argval == "enumerate" and at(
-            taker, "PRECALL") and instructions[taker].arg == 1 and at(taker + 1, "CALL"):
-        end, items = taker + 1, True  # for i, x in enumerate(v)
-    else:
-        items = at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval == "items"
+    paired = _paired_in_loop(instructions, start, end)
+    if paired:
+        return [(paired, True)]
+    items = at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval == "items"
     if at(end + 1, "LOAD_METHOD") and instructions[end + 1].argval in ("values", "items") and at(
             end + 2, "PRECALL") and at(end + 3, "CALL"):
         end += 3
@@ -178,6 +177,25 @@ def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List
         if not items and at(end + 3, "STORE_FAST"):  # for x in v; for x in v.values()
             return [(instructions[end + 3].argval, True)]
     return []
+
+
+def _paired_in_loop(instructions: List[dis.Instruction], start: int, end: int) -> Optional[str]:
+    """The local a loop binds to the entries of the value pushed from ``start`` to
+    ``end`` through the builtin ``enumerate`` or ``zip`` (``for i, x in enumerate(v)``,
+    ``for name, x in zip(names, v)``), if any."""
+    taker, above = _take(instructions, end)
+    if taker is None or instructions[taker].opname != "PRECALL" or taker + 5 >= len(instructions) or [
+            instruction.opname for instruction in instructions[taker + 1:taker + 5]] != [
+            "CALL", "GET_ITER", "FOR_ITER", "UNPACK_SEQUENCE"]:
+        return None
+    pairing = next((i for i in range(start - 1, -1, -1) if instructions[i].opname == "LOAD_GLOBAL"
+                    and instructions[i].argval in ("enumerate", "zip") and _taker(instructions, i) == taker + 1), None)
+    if pairing is None:
+        return None
+    element = instructions[taker].arg - above + (instructions[pairing].argval == "enumerate")  # after the count
+    store = taker + 5 + element
+    return instructions[store].argval if store < len(instructions) and all(
+        instruction.opname == "STORE_FAST" for instruction in instructions[taker + 5:store + 1]) else None
 
 
 def _right_operands(instructions: List[dis.Instruction], loads: Loads) -> Set[str]:
