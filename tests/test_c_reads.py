@@ -203,7 +203,7 @@ class Branches:
         self.h, swapped = b, self.g  # compiled with a SWAP
         for _name, _first, second in zip(LABELS, self.pairs, self.others):  # zip: each by its position
             b += 1.5 * second
-        return 2.5 * chosen + 1.5 * either + 0.5 * swapped
+        return 2.5 * chosen + 1.5 * either + 0.5 * swapped + 0.25 * getattr(self, "i")  # noqa: B009
 
 
 class Looped(PerKey):
@@ -255,7 +255,7 @@ class Dispatched(Counting):
         getattr(self.hparams, f"{self.kind}_stats").update(b)
 
     def _progress_running(self, b):
-        self.running_acc = 100.0 * getattr(self, "correct") / self.seen  # noqa: B009
+        self.running_acc = 100.0 * getattr(self, "correct", 0) / self.seen
 
     def _end_running(self):  # no batch runs it: _progress_*
         return 100.0 * self.weight
@@ -314,7 +314,7 @@ class Subscripts:
 @pytest.mark.fast
 def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
     assert read_in_c(Unpacked) == {"correct", "seen"}
-    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g", "pairs", "others", "others[*]"}
+    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g", "pairs", "others", "others[*]", "i"}
     assert read_in_c_of(Looped()) == read_in_c_of(Enumerated()) - {"per_key"} == {"per_key[*].count",
                                                                                   "per_key[*].total"}
     assert read_in_c_of(Callbacks()) == {"stats", "stats.count", "stats.total"}  # stats: given, not a number

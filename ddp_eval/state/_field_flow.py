@@ -68,9 +68,10 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
     """Index of each instruction that pushes a field of ``self`` -> (index of the load
     it starts from, the paths it may be): ``self.n``, ``self.stats.count`` and
     ``self.per_key[k].count`` (``n``, ``stats.count``, ``per_key[*].count``), or
-    through a local bound to one (``stats = self.stats``, ``a, b = self.a, self.b``,
-    ``x = self.a if c else self.b``, ``(x := self.a)``; ``for m in self.meters``:
-    ``meters[*]``)."""
+    through ``getattr`` (``getattr(self, "n")``; ``getattr(self, f"{stage}_stats")``:
+    ``{*_stats}``) or a local bound to one (``stats = self.stats``, ``a, b = self.a,
+    self.b``, ``x = self.a if c else self.b``, ``(x := self.a)``; ``for m in
+    self.meters``, ``enumerate`` or ``zip`` of it: ``meters[*]``)."""
     def chains(starts: Dict[int, FrozenSet[str]]) -> Loads:
         found = {}
         for start, paths in starts.items():
@@ -109,9 +110,9 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
 
 def _getattrs(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]
               ) -> Dict[int, Tuple[int, FrozenSet[str], str]]:
-    """Each call ``getattr(v, name)`` of ``self`` or a field of it: index of its
-    ``CALL`` -> (index of its ``LOAD_GLOBAL``, the paths of ``v``, the name, :data:`ANY`
-    unless a constant)."""
+    """Each call ``getattr(v, name)`` (or ``getattr(v, name, constant)``) of ``self`` or a
+    field of it: index of its ``CALL`` -> (index of its ``LOAD_GLOBAL``, the paths of
+    ``v``, the name or its pattern, :func:`_name_of`)."""
     owners = {**{i: (i, frozenset({""})) for i, instruction in enumerate(instructions)
                  if instruction.opname in _SELF_LOADS and instruction.argval in selves}, **loads}
     starts = {start: (end, paths) for end, (start, paths) in owners.items()}
@@ -122,9 +123,10 @@ def _getattrs(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[s
         owner, paths = starts[at + 1]
         precall = next((i for i in range(owner + 1, len(instructions) - 1) if instructions[i].opname == "PRECALL"),
                        None)
-        if precall is None or instructions[precall].arg != 2:
+        if precall is None or not (instructions[precall].arg == 2 or (
+                instructions[precall].arg == 3 and instructions[precall - 1].opname == "LOAD_CONST")):
             continue  # a name computed by a call (name.lower()) is not followed
-        found[precall + 1] = (at, paths, _name_of(instructions[owner + 1:precall]))
+        found[precall + 1] = (at, paths, _name_of(instructions[owner + 1:precall + 2 - instructions[precall].arg]))
     return found
 
 
