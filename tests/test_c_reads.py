@@ -241,6 +241,21 @@ class Callbacks(Held):
         self.hparams.score(self.stats, b) if b % 2 else self.hparams.update(self.stats, b)
 
 
+def _progress_of(brain, b):  # a function hparams hold, given the Brain, calling a method of its
+    brain._progress(b)
+
+
+class CallsBack(Counting):
+    def __init__(self):
+        super().__init__()
+        self.hparams = types.SimpleNamespace(progress=_progress_of)
+
+    def compute_objectives(self, b):
+        self.correct += b % 2
+        self.seen += 1
+        self.hparams.progress(self, b)
+
+
 class Dispatched(Counting):
     """Batch code found by name at run time."""
 
@@ -318,6 +333,7 @@ def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
     assert read_in_c_of(Looped()) == read_in_c_of(Enumerated()) - {"per_key"} == {"per_key[*].count",
                                                                                   "per_key[*].total"}
     assert read_in_c_of(Callbacks()) == {"stats", "stats.count", "stats.total"}  # stats: given, not a number
+    assert read_in_c_of(CallsBack()) == {"correct", "seen"}  # the Brain's _progress, through the function
     assert read_in_c(Dispatched) == {"correct", "seen"}  # _progress_running, not _end_running
     assert read_in_c_of(Dispatched()) == {"correct", "seen", "hparams.running_stats.count",
                                           "hparams.running_stats.total"}

@@ -57,9 +57,9 @@ import inspect
 import os
 import sys
 import types
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ddp_eval.state._field_flow import ANY, ENTRY, label_of, parts, uses
+from ddp_eval.state._field_flow import ENTRY, label_of, parts, uses
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
 _STAGE_HOOKS = ("on_stage_start", "on_stage_end", "on_evaluate_start", "on_fit_start")  # not batch code
@@ -117,26 +117,33 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
         done.add((path, type(owner), methods))
         owners[id(owner)] = owner
         reads, calls, more, given = _scan(type(owner), methods)
-        found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name))}
+        reads, todo, seen = set(reads), list(calls), set(calls)
         named |= more
-        for fields, method in {(concrete, method) for place, method in calls for concrete in _expand(owner, place)}:
-            for target in {type(value): value for value in values_at(owner, fields)}.values():  # one of a kind
-                if method.startswith("{"):  # getattr(self.stats, name)(...): any method of its own
-                    pending += [((*path, *fields), target, (name,)) for name in _own_methods(type(target), method)]
-                    continue
-                place, name, function = fields, method, getattr(type(target), method, None)
-                if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
-                    place, name, target = (*fields, method), "__call__", getattr(target, "__dict__", {}).get(method)
-                    function = getattr(type(target), name, None)
-                    if _callback(target):  # self.hparams.score(self.stats, x): as a module's function given them
-                        more_reads, more_calls = _given_to(_callback(target), owner, given)
-                        found |= {label_of((*path, *read)) for read in more_reads}
-                        pending += [((*path, *place), value, (name,)) for place, value, name in more_calls]
+        while todo:
+            place, method = todo.pop()
+            for fields in _expand(owner, place):
+                for target in {type(value): value for value in values_at(owner, fields)}.values():  # one of a kind
+                    if method.startswith("{"):  # getattr(self.stats, name)(...): any method of its own
+                        pending += [((*path, *fields), target, (name,)) for name in _own_methods(type(target), method)]
                         continue
-                elif not fields:
-                    continue  # a method of the owner's own: scanned with it
-                if _the_recipes(function):
-                    pending.append(((*path, *place), target, (name,)))
+                    held, name, function = fields, method, getattr(type(target), method, None)
+                    if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
+                        held, name, target = (*fields, method), "__call__", getattr(target, "__dict__", {}).get(method)
+                        function = getattr(type(target), name, None)
+                        callback = _callback(target)
+                        if callback:  # self.hparams.score(self.stats, x): as a module's function given them
+                            parameters = callback.__code__.co_varnames[:callback.__code__.co_argcount
+                                                                       + callback.__code__.co_kwonlyargcount]
+                            more_reads, more_calls = _as_given(*_scan_function(callback, parameters, _DEPTH)[:2], given)
+                            reads |= more_reads
+                            todo += [call for call in more_calls - seen]
+                            seen |= more_calls
+                            continue
+                    elif not fields and (place, method) in calls:
+                        continue  # a method of the owner's own its code calls: scanned with it
+                    if _the_recipes(function):
+                        pending.append(((*path, *held), target, (name,)))
+        found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name))}
     return found, list(owners.values()), named
 
 
@@ -147,22 +154,12 @@ def _callback(value: Any) -> Optional[types.FunctionType]:
     return function if _the_recipes(function) else None
 
 
-def _given_to(function: types.FunctionType, owner: Any, given: FrozenSet[str]
-              ) -> Tuple[Set[Tuple[str, ...]], List[Tuple[Tuple[str, ...], Any, str]]]:
-    """(paths read in C, (path, object, method) of the recipe's methods called) of a
-    ``function`` the batch code calls, taken as given each of the paths of ``owner``
-    that code gives to calls (``""``: ``owner`` itself)."""
-    parameters = function.__code__.co_varnames[:function.__code__.co_argcount + function.__code__.co_kwonlyargcount]
-    reads, calls, _, _ = _scan_function(function, parameters, _DEPTH)
-    found: Set[Tuple[str, ...]] = set()
-    called: List[Tuple[Tuple[str, ...], Any, str]] = []
-    for path in given:
-        found |= {concrete for read in reads for concrete in _expand(owner, (*parts(path), *parts(read)))}
-        for fields, method in calls:
-            place = (*parts(path), *fields)
-            called += [(place, value, method) for value in {type(v): v for v in values_at(owner, place)}.values()
-                       if _the_recipes(getattr(type(value), method, None))]
-    return found, called
+def _as_given(reads: Iterable[str], calls: Iterable[Tuple[Tuple[str, ...], str]], given: Iterable[str]
+              ) -> Tuple[Set[str], Set[Tuple[Tuple[str, ...], str]]]:
+    """A function's ``reads`` and ``calls`` of its parameters, as paths of the values
+    ``given`` to it (``""``: the owner itself)."""
+    return ({label_of((*parts(path), *parts(read))) for path in given for read in reads},
+            {((*parts(path), *fields), method) for path in given for fields, method in calls})
 
 
 def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
@@ -214,7 +211,7 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
 
 
 def _expand(owner: Any, path: Sequence[str]) -> List[Tuple[str, ...]]:
-    """``path`` with each :data:`ANY` replaced by each field held there."""
+    """``path`` with each ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`) replaced by each field held there."""
     found: List[Tuple[str, ...]] = [()]
     for part in path:
         found = [(*place, field) for place in found for field in (
@@ -225,18 +222,19 @@ def _expand(owner: Any, path: Sequence[str]) -> List[Tuple[str, ...]]:
 
 
 def _matches(name: str, pattern: str) -> bool:
-    """Whether ``name`` matches a path's ``{pattern}`` (:data:`ANY`)."""
+    """Whether ``name`` matches a path's ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`)."""
     return fnmatch.fnmatchcase(name, pattern[1:-1])
 
 
-def _own_methods(owner_class: type, pattern: str = ANY) -> Tuple[str, ...]:
+def _own_methods(owner_class: type, pattern: str) -> Tuple[str, ...]:
     """The methods of the recipe's own in ``owner_class`` that no library parent has
     (not ``on_stage_end``: it runs after the merge), but the batch methods, whose
     names match ``pattern``: those a ``getattr(self, name)(...)`` may run."""
     libraries = {name for cls in owner_class.__mro__ if of_a_library(cls) for name in vars(cls)}
     return tuple(dict.fromkeys(
         name for cls in owner_class.__mro__ for name, function in vars(cls).items()
-        if _the_recipes(inspect.unwrap(function)) and _matches(name, pattern) and (name in BATCH_METHODS or not (
+        if isinstance(function, types.FunctionType) and _the_recipes(inspect.unwrap(function))
+        and _matches(name, pattern) and (name in BATCH_METHODS or not (
             name in libraries or name in _STAGE_HOOKS or name.startswith("__")))))
 
 
@@ -289,9 +287,8 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
             found, called, more, _ = _scan_function(module_function, parameters if given else (), depth - 1)
             named |= more
-            for path in given:
-                reads |= {label_of((*parts(path), *parts(read))) for read in found}
-                calls |= {((*parts(path), *fields), method) for fields, method in called}
+            found, called = _as_given(found, called, given)
+            reads, calls = reads | found, calls | called
     return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives)
 
 
