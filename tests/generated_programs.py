@@ -75,6 +75,11 @@ def _count_in_c(brain, b):  # a module's function a batch gives the Brain
     brain.c_reads.append(0.5 * brain.c_count)
 
 
+def _count_by_handler(brain, b):  # a module's function a dict the Brain holds maps to, a batch gives the Brain
+    brain.f_count += 1
+    brain.c_reads.append(0.5 * brain.f_count)
+
+
 def _count_by_callback(brain, b):  # a module's function hparams hold, a batch gives the Brain
     brain.h_count += 1
     brain.c_reads.append(0.5 * brain.h_count)
@@ -258,6 +263,7 @@ class Brain:
         self.l_meter, self.e_meters = Meter(), (Meter(),)
         self.c_count, self.c_reads, self.meter = 0, [], Meter()  # read in C by compute_objectives
         self.c_by_key, self.meters = {0: 0, 1: 0}, {0: Meter(), 1: Meter()}
+        self.s_meters, self.d_count, self.f_count, self.handlers = [Meter()], 0, 0, {0: _count_by_handler}
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -297,6 +303,15 @@ class Brain:
                 meter.update(value(b) + at)
         elif read == "callback":
             self.hparams.count_in_c(self, b)
+        elif read == "sorted":
+            for meter in sorted(self.s_meters, key=id):
+                meter.update(value(b))
+        elif read == "display":
+            count = [self.d_count][0]
+            self.d_count = count + 1
+            self.c_reads.append(2.5 * count)
+        elif read == "handler":
+            self.handlers[b % 1](self, b)
         elif read == "by name":
             getattr(self, f"_c_read_{'by_name'}")(b)
         else:
@@ -315,7 +330,8 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by a method of an object in a dict": "held in a dict", "read in C through a local unpacked": "unpacked",
     "read in C through a conditional expression": "chosen", "read in C in a loop over objects": "looped",
     "read in C by a method found by name": "by name", "read in C in a loop over enumerate": "enumerated",
-    "read in C by a function held in hparams": "callback"}
+    "read in C by a function held in hparams": "callback", "read in C in a loop over a sorted copy": "sorted",
+    "read in C through a list display": "display", "read in C by a function held in a dict": "handler"}
 
 
 def _read_in_c(h, b, read):

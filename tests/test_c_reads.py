@@ -276,6 +276,48 @@ class Dispatched(Counting):
         return 100.0 * self.weight
 
 
+class Listed(PerKey):
+    def _progress(self, b):  # a local bound to a builtin's copy of the container: the same entries
+        ordered = list(self.per_key.values())
+        ordered[b % 2].update(b)
+
+
+class Picked(PerKey):
+    def _progress(self, b):  # a builtin handing back one entry
+        stats = next(iter(self.per_key.values()))
+        stats.update(b)
+        for other in sorted(self.per_key.values(), key=lambda s: s.scale):  # looped over a sorted copy
+            self.late.append(2.5 * other.count)
+
+
+class Literal(Counting):
+    def _progress(self, b):  # an entry of a list display holding the field: the field itself
+        seen, correct = [self.seen][0], {"n": self.correct, "k": 1}["n"]
+        self.late.append(2.5 * seen + 1.5 * correct)
+
+
+def _late_of(brain, b):
+    brain.late.append(2.5 * brain.seen)
+
+
+class Handlers(Held):
+    """Batch code found in a dict of functions, a list of callable objects and a bound
+    method of the Brain's own held in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.handlers, self.meters = {0: _running_accuracy, 1: _late_of}, [Meter()]
+        self.on_batch = {"progress": self._tally}
+
+    def _progress(self, b):
+        self.handlers[b % 2](self, b)
+        self.meters[0](b)
+        self.on_batch["progress"](b)
+
+    def _tally(self, b):
+        self.stats.update(b)
+
+
 def _plain(value):
     """An object of the recipe's own as its fields, to compare by value."""
     if isinstance(value, (dict, list)):
@@ -340,6 +382,14 @@ def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
 
 
 @pytest.mark.fast
+def test_the_scan_follows_builtins_list_displays_and_functions_held_in_containers():
+    assert read_in_c_of(Listed()) == read_in_c_of(Picked()) == {"per_key", "per_key[*].count", "per_key[*].total"}
+    assert read_in_c(Literal) == {"seen", "correct"}
+    assert read_in_c_of(Handlers()) == {"correct", "seen", "stats.count", "stats.total", "meters[*].count",
+                                        "meters[*].total"}  # not the callables themselves
+
+
+@pytest.mark.fast
 def test_an_index_is_read_in_c_unless_a_watched_container_takes_it():
     assert read_in_c(Subscripts) == {"m", "q"}
     assert read_in_c_of(InHparams()) == {"hparams.stats.count", "hparams.stats.total"}
@@ -357,7 +407,8 @@ def test_the_scan_finds_right_operands_read_in_c():
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
                                     InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted,
-                                    Indexed, Sliced, Decorated, Unpacked, Looped, Enumerated, Callbacks, Dispatched])
+                                    Indexed, Sliced, Decorated, Unpacked, Looped, Enumerated, Callbacks, Dispatched,
+                                    Listed, Picked, Literal, Handlers])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""

@@ -7,7 +7,8 @@ self.total``), or a tensor or array on the left of either (``loss * self.n``),
 reads it in C without calling any. This module scans the bytecode of the code
 a batch runs for a field of ``self`` (``self.n``, ``self.stats.count``,
 ``getattr(self, "n")``, or a local bound to one: ``seen = self.seen``, ``a, b =
-self.a, self.b``, ``x = self.a if c else self.b``, ``for m in self.meters``) read
+self.a, self.b``, ``x = self.a if c else self.b``, ``for m in self.meters``,
+``for m in sorted(self.meters)``, ``x = [self.a][0]``) read
 as the right operand of an arithmetic
 operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and
@@ -27,7 +28,9 @@ on the entries of its dicts and lists, and the objects called
 (``self.stats.update(x)``, ``self.per_key[k].update(x)``,
 ``self.hparams.meter(x)``, :func:`read_in_c_of`); and what a batch finds by name
 (``getattr(self, f"_update_{stage}")(x)``: each method of the recipe's own whose
-name fits ``_update_*``). What is reached otherwise (a callback, a library's code)
+name fits ``_update_*``) or in a container (``self.handlers[stage](self, x)``: each
+function, bound method of the Brain's or callable object of the recipe's own held
+there). What is reached otherwise (a callback, a library's code)
 is not. Such a read is taken as a
 read of the value whole: if batches change the value, it is named with what they
 may have computed from it. The same walk (:func:`reach`) tells which objects the
@@ -59,7 +62,7 @@ import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ddp_eval.state._field_flow import ENTRY, label_of, parts, uses
+from ddp_eval.state._field_flow import CALLED, ENTRY, label_of, parts, uses
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
 _STAGE_HOOKS = ("on_stage_start", "on_stage_end", "on_evaluate_start", "on_fit_start")  # not batch code
@@ -122,14 +125,20 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
         while todo:
             place, method = todo.pop()
             for fields in _expand(owner, place):
-                for target in {type(value): value for value in values_at(owner, fields)}.values():  # one of a kind
+                targets = values_at(owner, fields)
+                for target in {id(value) if method == CALLED else type(value): value for value in targets}.values():
                     if method.startswith("{"):  # getattr(self.stats, name)(...): any method of its own
                         pending += [((*path, *fields), target, (name,)) for name in _own_methods(type(target), method)]
                         continue
                     held, name, function = fields, method, getattr(type(target), method, None)
-                    if not isinstance(function, types.FunctionType):  # an object called: self.meter(x)
-                        held, name, target = (*fields, method), "__call__", getattr(target, "__dict__", {}).get(method)
+                    if method == CALLED or not isinstance(function, types.FunctionType):  # an object called
+                        if method != CALLED:  # self.meter(x); self.handlers[k](x): the entry itself
+                            held, target = (*fields, method), getattr(target, "__dict__", {}).get(method)
+                        name, bound = "__call__", getattr(target, "__func__", None)
                         function = getattr(type(target), name, None)
+                        if getattr(target, "__self__", None) is owner and _the_recipes(bound):
+                            pending.append((path, owner, (bound.__name__,)))  # a method of the owner's own
+                            continue
                         callback = _callback(target)
                         if callback:  # self.hparams.score(self.stats, x): as a module's function given them
                             parameters = callback.__code__.co_varnames[:callback.__code__.co_argcount

@@ -31,12 +31,16 @@ from ddp_eval.state._select import JUMPS, choice_at, stack_effect
 
 ENTRY = "[*]"  # in a path: any entry of a container
 ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: any whose name matches
+CALLED = "()"  # as a method's name: the value itself is called (``self.handlers[k](x)``)
 _OPERATORS = ("BINARY_OP", "COMPARE_OP")
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
 _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflected method (an int's: its own)
 _CALLS = ("PRECALL", "CALL", "CALL_FUNCTION_EX")
 _TWO_IN = ("BINARY_OP", "COMPARE_OP", "BINARY_SUBSCR", "CONTAINS_OP", "IS_OP")  # take two, give one
 _KEEPING = ("JUMP_IF_TRUE_OR_POP", "JUMP_IF_FALSE_OR_POP")  # a jump that keeps the value it tests
+_DISPLAYS = ("BUILD_LIST", "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP")
+_PASSING_ENTRY = ("max", "min", "next")  # given one container (and keywords): return one of its entries
+_PASSING = ("sorted", "list", "tuple", "reversed", "iter", "set", "frozenset", "filter", *_PASSING_ENTRY)
 Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (where its load starts, its paths)
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 
@@ -82,9 +86,13 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
                     paths = frozenset(f"{path}.{instructions[end].argval}" if path else instructions[end].argval
                                       for path in paths)
                 taker, above = _take(instructions, end)
+                if taker is not None and instructions[taker].opname in _DISPLAYS:  # {"a": self.a}["a"]
+                    taker, above = _take(instructions, taker)
                 if "" in paths or taker is None or instructions[taker].opname != "BINARY_SUBSCR" or above != 2:
                     break
-                end, paths = taker, frozenset(f"{path}{ENTRY}" for path in paths)  # one of the container's entries
+                if not _in_literal(instructions, end, taker):  # [self.a][0] is a itself
+                    paths = frozenset(f"{path}{ENTRY}" for path in paths)  # one of the container's entries
+                end = taker
             if "" not in paths:
                 found[end] = (start, paths)
         return found
@@ -106,6 +114,18 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
             return loads
         aliases = {name: frozenset(paths) for name, paths in bound.items()}
     return loads
+
+
+def _in_literal(instructions: List[dis.Instruction], end: int, taker: int) -> bool:
+    """Whether a list, tuple or dict display built between ``end`` and ``taker`` holds
+    the value ``end`` pushed (``[self.a][0]``, ``{"a": self.a}["a"]``, not
+    ``self.d[a, b]``)."""
+    above = 1
+    for instruction in instructions[end + 1:taker]:
+        if instruction.opname in _DISPLAYS and 1 - stack_effect(instruction) >= above:  # it takes the value
+            return True
+        above += stack_effect(instruction)
+    return False
 
 
 def _getattrs(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]
@@ -178,7 +198,30 @@ def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List
             return [(instructions[end + 5].argval, True)]  # for k, x in v.items()
         if not items and at(end + 3, "STORE_FAST"):  # for x in v; for x in v.values()
             return [(instructions[end + 3].argval, True)]
-    return []
+    return [] if items else _bound_through_call(instructions, start, end)
+
+
+def _bound_through_call(instructions: List[dis.Instruction], start: int, end: int) -> List[Tuple[str, bool]]:
+    """:func:`_bound_to` of what a builtin of :data:`_PASSING` returns when given the
+    value pushed from ``start`` to ``end`` first: the value's entries again
+    (``ms = sorted(v)``, ``for m in list(v.values())``: ``ms`` stands for ``v``) or
+    one of them (``m = max(v, key=f)``, ``next(iter(v))``)."""
+    taker, above = _take(instructions, end)
+    if taker is None or instructions[taker].opname != "PRECALL" or above != instructions[taker].arg or (
+            taker + 1 >= len(instructions) or instructions[taker + 1].opname != "CALL"):
+        return []
+    callee = next((i for i in range(start - 1, -1, -1) if instructions[i].opname == "LOAD_GLOBAL"
+                   and _taker(instructions, i) == taker + 1), None)
+    if callee is None or instructions[callee].argval not in _PASSING:
+        return []
+    bound = _bound_to(instructions, callee, taker + 1)
+    if instructions[callee].argval not in _PASSING_ENTRY:
+        return bound
+    count, keywords = instructions[taker].arg, instructions[taker - 1].opname == "KW_NAMES"  # 3.11 hides their names
+    entry = [(name, True) for name, entries in bound if not entries]  # one entry, bound as it is
+    if count == 1 or instructions[callee].argval == "next" or (keywords and count == 2):
+        return entry
+    return entry + bound if keywords else bound  # max(v, w, key=f) or max(v, key=f, default=d); max(v, w)
 
 
 def _paired_in_loop(instructions: List[dis.Instruction], start: int, end: int) -> Optional[str]:
@@ -255,11 +298,23 @@ def _field_calls(instructions: List[dis.Instruction], loads: Loads, selves: Tupl
     """Methods called on ``self`` and the objects it holds: ``self.meter(x)``,
     ``self.stats.update(x)`` and ``self.hparams.stats.update(x)`` give ``((),
     "meter")``, ``(("stats",), "update")`` and ``(("hparams", "stats"), "update")``;
-    ``getattr(self, name)(x)`` gives ``((), ANY)``."""
+    ``getattr(self, name)(x)`` gives ``((), ANY)``; ``self.handlers[k](x)`` and ``f =
+    self.fn; f(x)`` give ``(("handlers", "[*]"), CALLED)`` and ``(("fn",), CALLED)``."""
+    fetching = _getattrs(instructions, loads, selves)
     called = {(parts(path), instructions[end + 1].argval) for end, paths in _pushed(instructions, loads, selves).items()
               for path in paths if end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_METHOD"}
-    return called | {(parts(path), name) for at, paths, name in _getattrs(instructions, loads, selves).values()
+    called |= {(parts(path), CALLED) for end, (_, paths) in loads.items() if end not in fetching
+               and (taker := _taker(instructions, end)) is not None and _is_callable(instructions, taker)
+               for path in paths}
+    return called | {(parts(path), name) for at, paths, name in fetching.values()
                      if at and instructions[at - 1].opname == "PUSH_NULL" for path in paths}  # getattr(self, name)(x)
+
+
+def _is_callable(instructions: List[dis.Instruction], taker: int) -> bool:
+    """Whether a value taken at ``taker`` is the callable of a call (:func:`_is_argument`)."""
+    instruction = instructions[taker]
+    return (instruction.opname == "PRECALL" and instruction.arg == 0) or (
+        instruction.opname == "CALL" and taker > 0 and instructions[taker - 1].opname == "PRECALL")
 
 
 def _given(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Set[str]:
@@ -268,7 +323,7 @@ def _given(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str,
         return end + 1 < len(instructions) and instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")
     return {path for end, paths in _pushed(instructions, loads, selves).items() for path in paths
             if (path or itself(end)) and (taker := _taker(instructions, end)) is not None
-            and instructions[taker].opname in _CALLS}
+            and _is_argument(instructions, taker)}  # not the callable itself (self.handlers[k](x))
 
 
 def _pushed(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Dict[int, FrozenSet[str]]:
