@@ -66,6 +66,13 @@ class Meter:
 _LABELS = [f"label{i}" for i in range(1000)]
 
 
+class OutsideTally:
+    """An object of the recipe's own outside the Brain, holding one of its containers."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+
 def _update_meter(meter, b):  # a module's function a batch gives an object the Brain holds
     meter.update(value(b))
 
@@ -259,6 +266,9 @@ class Brain:
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
         self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list),
                                              count_in_c=_count_by_callback)  # a function of the recipe's
+        # outside the Brain: a closure's variable, a field of an object of the recipe's own only a closure holds
+        self.c_list_size = (lambda items: lambda: len(items))(self.c_list)
+        self.c_dict_keys = (lambda tally: lambda: tally.counts)(OutsideTally(self.c_dict))
         self.u_count = self.k_count = self.n_count = self.h_count = 0
         self.l_meter, self.e_meters = Meter(), (Meter(),)
         self.c_count, self.c_reads, self.meter = 0, [], Meter()  # read in C by compute_objectives
@@ -749,6 +759,10 @@ def steering_reads():
             [f"u{b}"], [value(b)]), setattr(h, "n", h.n + 1) if len(h.made_multi["c"].metrics["a"].scores) > 1
                                                   else None),
         "steer by len(same_nested)": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.same_nested)) else None,
+        "steer by a closure's len(c_list)": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list_size()) else None,
+        "steer by k in an outside object's c_dict": lambda h, b: setattr(h, "n", h.n + 1) if f"k{b % 5}" in
+        h.c_dict_keys() else None,
+        "an outside object's c_dict[k] = b": lambda h, b: h.c_dict_keys().__setitem__(f"k{b % 3}", b),
         "steer by len(by_stage['valid'])": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.by_stage[
             "valid"])) else None,
     })

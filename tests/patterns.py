@@ -19,6 +19,9 @@ rank, returning what ``on_stage_end`` saw.
 * ``outside_reads``: a counter kept in an object of ``hparams`` (not listed in
   ``attributes_include``), read by every batch to choose what it appends to a Brain list:
   the list is named with the outside state.
+* ``held_outside``: a Brain list a closure also holds, appended to through the closure,
+  and read through an object of the recipe's own only a closure holds, whose length
+  steers an append (exact in one process; named on ranks).
 * ``ordinary_code`` (issue 26): what ordinary Python and PyTorch code does outside the
   patterns above: a pre-sized list changed in place (``hist[label] += 1``), a
   MetricStats subclass of the recipe's own with a dict of lists per speaker and a
@@ -70,7 +73,7 @@ from tests import toy
 from tests.mp_harness import ddp_eval_messages
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
-            "unmergeable_code", "training_only", "outside_reads")
+            "unmergeable_code", "training_only", "outside_reads", "held_outside")
 
 
 def bleu_stats():
@@ -163,6 +166,13 @@ class Tally:
 
     correct: int = 0
     total: float = 0.0
+
+
+class Report:
+    """An object of the recipe's own that a closure holds, outside the Brain."""
+
+    def __init__(self, ids):
+        self.ids = ids
 
 
 class ClassStats(MetricStats):
@@ -464,6 +474,21 @@ class PatternBrain(toy.ToyBrain):
 
     def _end_outside_reads(self, stage, stage_loss, epoch):
         return {"odd_ids": list(self.odd_ids)}
+
+    # -- held_outside: a Brain list a closure and an outside object also hold -------------------
+
+    def _start_held_outside(self, stage):
+        self.ids, self.sizes = [], []
+        self.add_id = (lambda ids: lambda i: ids.append(i))(self.ids)  # a closure's variable
+        self.count_ids = (lambda report: lambda: len(report.ids))(Report(self.ids))  # an object only it holds
+
+    def _batch_held_outside(self, logits, labels, loss, batch, stage):
+        for i in batch.id:
+            self.add_id(i)
+        self.sizes.append(self.count_ids())  # on a rank, its own batches' ids only
+
+    def _end_held_outside(self, stage, stage_loss, epoch):
+        return {"ids": list(self.ids), "sizes": list(self.sizes), "count": self.count_ids()}
 
     # -- training_only: a random augmentation in hparams, never called in VALID/TEST ----------
 

@@ -143,7 +143,7 @@ def silently_wrong(per_batch, owners, world_size, start=False):
             if name == "hparams":  # its fields, but those that hold a named attribute's container (named with it)
                 held = {id(getattr(brain, label)) for label in named if hasattr(brain, label)}
                 got, want = _unnamed_fields(got, held), _unnamed_fields(want, held, like=got)
-            if name in named or _within_rounding(got, want, len(per_batch)):
+            if name in named or _within_rounding(got, want, len(per_batch)) or _holds_named(got, brain, named):
                 continue
             if isinstance(want, io.IOBase):  # first_difference reads __dict__, which a stream keeps empty
                 if (got.getvalue(), got.tell()) != (want.getvalue(), want.tell()):
@@ -153,6 +153,14 @@ def silently_wrong(per_batch, owners, world_size, start=False):
             if difference is not None and not _same_pickled(got, want):
                 return rank, difference
     return None
+
+
+def _holds_named(value, brain, named):
+    """Whether ``value`` is a function whose closure holds a named attribute's container
+    (named with it), or an object such a closure holds."""
+    held = {id(getattr(brain, label)) for label in named if hasattr(brain, label)}
+    cells = [cell.cell_contents for cell in getattr(value, "__closure__", None) or ()]
+    return any(id(c) in held or any(id(v) in held for v in getattr(c, "__dict__", {}).values()) for c in cells)
 
 
 @st.composite
@@ -280,7 +288,8 @@ def test_a_value_bound_anew_from_its_previous_one_equals_one_process_or_is_named
 
 
 # Another reference to a watched container: a second attribute, a field of hparams one level deep (issue 37)
-ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nested" in name or "by_stage" in name] + [
+ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nested" in name or "by_stage" in name
+           or "closure" in name or "outside object" in name] + [
     "list.append", "nested.append([b])", "steer by nested[0]", "dict.__setitem__", "+= int"]
 
 

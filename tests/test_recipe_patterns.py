@@ -259,3 +259,20 @@ def test_a_value_a_batch_computed_from_state_outside_the_brain_is_named_with_it(
     assert "'odd_ids'" in warnings and "state outside the Brain ['hparams.tally.inner'] changed" in warnings, warnings
     want = evaluation_records(references["outside_reads"])
     assert any(g["odd_ids"] != w["odd_ids"] for g, w in zip(evaluation_records(outs[0]["outside_reads"]), want))
+
+
+def test_a_container_a_closure_also_holds_is_merged_and_its_reads_there_are_named(ranks, references):
+    """A Brain list a closure also holds: what batches append through the closure is
+    merged exactly (the closure holds the list's recording copy for the stage), and a
+    read of its length through an object only a closure holds, which steers an append,
+    is seen and named. After the stage both hold the merged list."""
+    world_size, outs = ranks
+    want = evaluation_records(references["held_outside"])
+    assert want[0]["ids"] and want[0]["sizes"] == sorted(want[0]["sizes"])  # the pattern ran
+    for out in outs:
+        got = evaluation_records(out["held_outside"])
+        assert [g["ids"] for g in got] == [w["ids"] for w in want]
+        assert [g["count"] for g in got] == [len(w["ids"]) for w in want]  # the closure's object: merged too
+        assert any(g["sizes"] != w["sizes"] for g, w in zip(got, want))  # each rank's own count: no merge is right
+    warnings = " ".join(outs[0]["held_outside"]["warnings"])
+    assert "'sizes'" in warnings and "read accumulated values in on_stage_end" in warnings, warnings

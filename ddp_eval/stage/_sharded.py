@@ -150,7 +150,8 @@ class ShardedStage:
     def _outside_markers(self):
         """State outside the Brain (hparams, recoverables), minus what the Brain
         itself holds as mergeable attributes."""
-        own = [id(v) for v in vars(self.brain).values() if isinstance(v, (list, dict, torch.Tensor))]
+        own = [id(v) for v in vars(self.brain).values() if isinstance(v, (list, dict, torch.Tensor))] + [
+            id(original) for original, _, _ in self.book.attributes.notes.copies.values()]  # a global holding one
         return outside_markers(self.brain, skip_ids=own)
 
     # -- per batch -----------------------------------------------------------------

@@ -13,7 +13,10 @@ held the container if batches changed or read it
 (:func:`ddp_eval.state.bookkeeping._name_places_bound_apart`). At the end, an
 attribute of the Brain or a field of ``hparams`` a batch bound to a recording copy
 (``self.current = self.items``) gets the container back too: no stand-in outlives
-the stage.
+the stage. So do the places outside the Brain its code reaches: a closure's
+variable of a function the Brain or ``hparams`` holds, a global its batch code
+names, and a field of an object of the recipe's own (or a module's global) one
+level below (:func:`_places_outside`).
 
 Example
 -------
@@ -32,10 +35,12 @@ True
 """
 
 import itertools
+import types
 from typing import Any, Iterable, List, Tuple
 
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
+from ddp_eval.state._c_reads import LIBRARIES, of_a_library, reach
 from ddp_eval.state._outside import _attributes
 from ddp_eval.state._recording import BatchNotes, recordable
 from ddp_eval.state._values import get_value
@@ -73,12 +78,19 @@ class SharedCopies:
                 notes.shared.setdefault(id(copy), []).append(label)
                 self.held.append((label, owner, name, copy, of))
         self.notes = notes
+        self.restored: List[Tuple[str, Any, Any, Any, Any, str]] = []  # given their container back
+        self.elsewhere = _hold_copies_elsewhere(brain, notes) if _recording.SHARE_COPIES and notes.copies else []
+        for label, _, _, _, copy, _ in self.elsewhere:
+            notes.shared.setdefault(id(copy), []).append(label)  # no per-batch probe in its place: the copy
 
     def note_rebound(self) -> None:
         """Notes the fields a batch bound another value to
         (:meth:`ddp_eval.state._recording.BatchNotes.rebound`)."""
         for _, owner, name, copy, of in self.held:
             if get_value(owner, name) is not copy:
+                self.notes.rebound(copy, of)
+        for _, place, key, _, copy, of in self.elsewhere:
+            if _held(place, key) is not copy:
                 self.notes.rebound(copy, of)
 
     def touched(self) -> List[str]:
@@ -95,7 +107,90 @@ class SharedCopies:
             original, copy = self.copies.get(id(value), (None, None))
             if copy is not None and value is copy:
                 vars(owner)[name] = original
-        self.held = []
+        self.restore_elsewhere()
+        for _, place, key, original, _, of in self.restored:  # as in one process: the Brain's container itself
+            current = vars(self.brain).get(of, original)
+            if current is not original and _held(place, key) is original:
+                _put(place, key, current)
+        self.held, self.restored = [], []
+
+    def restore_elsewhere(self) -> None:
+        """Each cell, global and field outside the Brain gets its container back (a
+        function holding it is as at stage start); one a batch bound another value
+        to keeps that value."""
+        for _, place, key, original, copy, _ in self.elsewhere:
+            if _held(place, key) is copy:
+                _put(place, key, original)
+        self.restored, self.elsewhere = self.restored + self.elsewhere, []
+
+
+def _hold_copies_elsewhere(brain: Any, notes: BatchNotes) -> List[Tuple[str, Any, Any, Any, Any, str]]:
+    """Each closure's cell, module's global and field of an object of the recipe's own
+    outside the Brain (:func:`_places_outside`) that holds a watched container gets
+    its recording copy for the stage, so that a batch's read through it sees what
+    batches added, and is on the record: ``(label, place, key, original, copy, label
+    of the container)``."""
+    originals = {id(original): (original, copy, of) for original, copy, of in notes.copies.values()}
+    swapped = []
+    for label, place, key in _places_outside(brain):
+        held = _held(place, key)
+        if id(held) in originals and originals[id(held)][0] is held:
+            original, copy, of = originals[id(held)]
+            _put(place, key, copy)
+            swapped.append((label, place, key, original, copy, of))
+    return swapped
+
+
+def _places_outside(brain: Any) -> List[Tuple[str, Any, Any]]:
+    """``(label, cell or dict, key)`` of the places outside the Brain its code may read
+    a container through: the cells of the functions the Brain and ``hparams`` hold
+    (``self.count = lambda: len(ids)``), the globals its batch code names, and one level
+    down, the fields of an object of the recipe's own or the globals of a module such a
+    place holds."""
+    found: List[Tuple[str, Any, Any]] = []
+    values = [value for _, value in _attributes(brain)] + [value for *_, value in _hparams_fields(brain)]
+    for value in values:
+        function = getattr(value, "__func__", value)  # a bound method: its function's cells
+        for at, cell in enumerate(getattr(function, "__closure__", None) or ()):
+            found.append((f"{getattr(function, '__qualname__', 'a function')}'s variable {at}", cell, None))
+    for function, name in reach(brain)[2]:
+        found.append((f"global {function.__module__}.{name}", function.__globals__, name))
+    for label, place, key in list(found):  # one level down
+        held = _held(place, key)
+        if isinstance(held, types.ModuleType) and held.__name__.split(".")[0] not in LIBRARIES | {"ddp_eval"}:
+            found += [(f"global {held.__name__}.{name}", vars(held), name) for name in list(vars(held))]
+        elif _of_the_recipe(held) and not hasattr(held, "_ddp_brain_attributes"):
+            found += [(f"{label}.{name}", _fields_of(held), name) for name in list(_fields_of(held))]
+    return found
+
+
+def _of_the_recipe(value: Any) -> bool:
+    """Whether ``value`` is an object of the recipe's own class, with a ``__dict__``."""
+    return type(_fields_of(value)) is dict and not isinstance(value, type) and not of_a_library(type(value))
+
+
+def _fields_of(value: Any) -> Any:
+    try:
+        return object.__getattribute__(value, "__dict__")  # no __getattr__ of the object's own runs
+    except Exception:  # none
+        return None
+
+
+def _held(place: Any, key: Any) -> Any:
+    """What a cell (``key`` None) or a dict holds."""
+    if key is None:
+        try:
+            return place.cell_contents
+        except ValueError:  # a cell not filled yet
+            return None
+    return place.get(key)
+
+
+def _put(place: Any, key: Any, value: Any) -> None:
+    if key is None:
+        place.cell_contents = value
+    else:
+        place[key] = value
 
 
 def _changed(original: Any, copy: Any) -> bool:

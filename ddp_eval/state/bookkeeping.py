@@ -393,6 +393,7 @@ class StageBook:
         """At stage end (probes out): this rank's record, its batches at the global
         ``positions``; what the record does not explain is named in ``unmergeable``."""
         self.attributes.stop_listening()  # no batch runs: the reads and writes from here on are ddp_eval's
+        self.shared.restore_elsewhere()  # a function whose closure holds a watched container holds it again
         metric_state = self.metrics.finish(self.brain, positions)
         changes, _ = self.attributes.finish(positions)
         bound, last = {}, {}
