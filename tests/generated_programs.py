@@ -269,6 +269,9 @@ class Brain:
         # outside the Brain: a closure's variable, a field of an object of the recipe's own only a closure holds
         self.c_list_size = (lambda items: lambda: len(items))(self.c_list)
         self.c_dict_keys = (lambda tally: lambda: tally.counts)(OutsideTally(self.c_dict))
+        self.c_list_len = functools.partial(len, self.c_list)  # a partial's argument
+        self.c_dict_in_pair = (lambda pair: lambda: pair[0])((self.c_dict, "c_dict"))  # a tuple: cannot hold a copy
+        self.nested_in_dicts = (lambda d: lambda: d["a"]["nested"])({"a": {"nested": self.nested}})
         self.u_count = self.k_count = self.n_count = self.h_count = 0
         self.l_meter, self.e_meters = Meter(), (Meter(),)
         self.c_count, self.c_reads, self.meter = 0, [], Meter()  # read in C by compute_objectives
@@ -763,6 +766,12 @@ def steering_reads():
         "steer by k in an outside object's c_dict": lambda h, b: setattr(h, "n", h.n + 1) if f"k{b % 5}" in
         h.c_dict_keys() else None,
         "an outside object's c_dict[k] = b": lambda h, b: h.c_dict_keys().__setitem__(f"k{b % 3}", b),
+        "steer by a partial's len(c_list)": lambda h, b: setattr(h, "n", h.n + 1) if steers(h.c_list_len()) else None,
+        "steer by k in a tuple's c_dict": lambda h, b: setattr(h, "n", h.n + 1) if f"k{b % 5}" in h.c_dict_in_pair()
+        else None,
+        "a closure's dict's nested.append([b])": lambda h, b: h.nested_in_dicts().append([b]),
+        "steer by len of a closure's dict's nested": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(
+            h.nested_in_dicts())) else None,
         "steer by len(by_stage['valid'])": lambda h, b: setattr(h, "n", h.n + 1) if steers(len(h.by_stage[
             "valid"])) else None,
     })

@@ -19,9 +19,10 @@ rank, returning what ``on_stage_end`` saw.
 * ``outside_reads``: a counter kept in an object of ``hparams`` (not listed in
   ``attributes_include``), read by every batch to choose what it appends to a Brain list:
   the list is named with the outside state.
-* ``held_outside``: a Brain list a closure also holds, appended to through the closure,
-  and read through an object of the recipe's own only a closure holds, whose length
-  steers an append (exact in one process; named on ranks).
+* ``held_outside``: Brain lists a closure, a ``functools.partial``'s argument and a dict
+  a closure holds also hold, appended to through them, and one read through an object of
+  the recipe's own only a closure holds, whose length steers an append (exact in one
+  process; named on ranks).
 * ``ordinary_code`` (issue 26): what ordinary Python and PyTorch code does outside the
   patterns above: a pre-sized list changed in place (``hist[label] += 1``), a
   MetricStats subclass of the recipe's own with a dict of lists per speaker and a
@@ -173,6 +174,11 @@ class Report:
 
     def __init__(self, ids):
         self.ids = ids
+
+
+def _append_to(items, item):
+    """Appends ``item`` to ``items`` (held by a ``functools.partial``)."""
+    items.append(item)
 
 
 class ClassStats(MetricStats):
@@ -478,17 +484,23 @@ class PatternBrain(toy.ToyBrain):
     # -- held_outside: a Brain list a closure and an outside object also hold -------------------
 
     def _start_held_outside(self, stage):
-        self.ids, self.sizes = [], []
+        self.ids, self.sizes, self.losses, self.labels = [], [], [], []
         self.add_id = (lambda ids: lambda i: ids.append(i))(self.ids)  # a closure's variable
         self.count_ids = (lambda report: lambda: len(report.ids))(Report(self.ids))  # an object only it holds
+        self.add_loss = functools.partial(_append_to, self.losses)  # a partial's argument
+        self.add_label = (lambda lists: lambda y: lists["labels"].append(y))({"labels": self.labels})  # a dict's
 
     def _batch_held_outside(self, logits, labels, loss, batch, stage):
         for i in batch.id:
             self.add_id(i)
         self.sizes.append(self.count_ids())  # on a rank, its own batches' ids only
+        self.add_loss(round(float(loss), 6))
+        for y in labels.tolist():
+            self.add_label(y)
 
     def _end_held_outside(self, stage, stage_loss, epoch):
-        return {"ids": list(self.ids), "sizes": list(self.sizes), "count": self.count_ids()}
+        return {"ids": list(self.ids), "sizes": list(self.sizes), "count": self.count_ids(),
+                "losses": list(self.losses), "labels": list(self.labels), "held": self.add_loss.args[0] is self.losses}
 
     # -- training_only: a random augmentation in hparams, never called in VALID/TEST ----------
 

@@ -144,3 +144,15 @@ def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypa
     from ddp_eval.state import bookkeeping
 
     _fails_when_switched_off(monkeypatch, bookkeeping, "SCAN_C_READS", [operation])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("operation", ["steer by a partial's len(c_list)", "steer by k in a tuple's c_dict",
+                                       "steer by len of a closure's dict's nested"])
+def test_without_copies_in_partials_tuples_and_dicts_outside_the_brain_reads_there_are_silently_wrong(
+        monkeypatch, operation):
+    """A read through a ``functools.partial``'s argument, a tuple or a dict a closure
+    holds: without the recording copy in those places (0.9.14 left the container
+    itself there), hypothesis finds a program silently wrong."""
+    _fails_when_switched_off(monkeypatch, _recording, "SHARE_COPIES",
+                             [operation, "list.append", "dict.__setitem__", "nested.append([b])"])

@@ -1,9 +1,14 @@
 """A watched container that a place outside the Brain also holds (a closure's
-variable, a module's global, a field of an object of the recipe's own): for the
-stage that place holds the container's recording copy, so a batch's append through
-it is merged and its read there is seen, in one process as in plain Python; after
-the stage it holds the container again, with the merged contents."""
+variable, a ``functools.partial``'s argument or keyword, a module's global, the
+recipe's hparams dict two dicts down, a list's entry, a tuple or namedtuple a
+closure holds, an object of the recipe's own, two objects down): for the stage that
+place holds the container's recording copy, so a batch's append through it is
+merged and its read there is seen, in one process as in plain Python; after the
+stage it holds the container again, with the merged contents. A tuple the Brain
+holds itself cannot take the copy: its container is named when batches change it."""
 
+import collections
+import functools
 import sys
 import types
 
@@ -19,6 +24,8 @@ class Report:
         self.ids = ids
 
 
+Pair = collections.namedtuple("Pair", ["items", "name"])
+
 _MADE = []
 
 
@@ -31,26 +38,45 @@ def _module_holding(ids):
     return module
 
 
+def _count(held):
+    return len(held)
+
+
+def _add(i, held):
+    held.append(i)
+
+
 def _brain(place):
+    """A Brain whose ``size()`` reads, and ``add(i)`` appends to, its ``ids`` through
+    ``place``; with a function giving what that place holds."""
     ids = []
+    if place == "partial":  # functools.partial's arguments and keywords
+        size, add = functools.partial(_count, ids), functools.partial(_add, held=ids)
+        brain = types.SimpleNamespace(ids=ids, sizes=[], size=size, add=add)
+        return brain, lambda: (size.args[0], add.keywords["held"])
     if place == "closure":
-        size, add = (lambda held: lambda: len(held))(ids), (lambda held: lambda i: held.append(i))(ids)
-        holder = None
+        holder = ids
     elif place == "global":
         holder = _module_holding(ids)
-        size, add = (lambda m: lambda: len(m.HELD))(holder), (lambda m: lambda i: m.HELD.append(i))(holder)
+    elif place == "recipe_dict":  # a recipe's hparams dict, a global of its module: {"data": {"ids": ids}}
+        holder = _module_holding({"data": {"ids": ids}})
+    elif place == "list":
+        holder = [ids]
+    elif place == "tuple":  # for the stage, a tuple like it holding the recording copy
+        holder = (ids, "ids")
+    elif place == "namedtuple":
+        holder = Pair(ids, "ids")
     else:
-        holder = Report(ids)
-        size, add = (lambda r: lambda: len(r.ids))(holder), (lambda r: lambda i: r.ids.append(i))(holder)
+        holder = Report(Report(ids) if place == "object_in_object" else ids)
+    reach = {"closure": lambda h: h, "global": lambda h: h.HELD, "recipe_dict": lambda h: h.HELD["data"]["ids"],
+             "list": lambda h: h[0], "tuple": lambda h: h[0], "namedtuple": lambda h: h.items,
+             "object": lambda h: h.ids, "object_in_object": lambda h: h.ids.ids}[place]
+    size, add = (lambda h: lambda: len(reach(h)))(holder), (lambda h: lambda i: reach(h).append(i))(holder)
     brain = types.SimpleNamespace(ids=ids, sizes=[], size=size, add=add)
-    return brain, holder
+    return brain, lambda: (reach(holder),)
 
 
-def _held(place, brain, holder):
-    """The container the outside place holds."""
-    if place == "closure":
-        return brain.size.__closure__[0].cell_contents
-    return holder.HELD if place == "global" else holder.ids
+PLACES = ["closure", "global", "object", "partial", "recipe_dict", "list", "tuple", "namedtuple", "object_in_object"]
 
 
 @pytest.fixture(autouse=True)
@@ -62,15 +88,15 @@ def _forget_modules():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("place", ["closure", "global", "object"])
+@pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("layout", [[[0, 1, 2, 3, 4, 5]], [[0, 1, 2], [3, 4, 5]], [[0, 2], [1, 3, 4, 5], []]],
                          ids=["1", "2", "3-one-idle"])
 def test_a_read_through_another_place_sees_the_batches_appends_or_is_named(place, layout):
     holders = {}
 
     def make():
-        brain, holder = _brain(place)
-        holders[id(brain)] = holder
+        brain, held = _brain(place)
+        holders[id(brain)] = held
         return brain
 
     def batch(brain, b):
@@ -81,8 +107,8 @@ def test_a_read_through_another_place_sees_the_batches_appends_or_is_named(place
     assert single.sizes == [1, 2, 3, 4, 5, 6]
     for brain in brains:
         assert brain.ids == single.ids
-        held = _held(place, brain, holders[id(brain)])
-        assert held is brain.ids and type(held) is list  # the container itself again, merged
+        for held in holders[id(brain)]():
+            assert held is brain.ids and type(held) is list  # the container itself again, merged
     if len(layout) == 1:
         assert brains[0].sizes == single.sizes  # one process: what plain Python computes
     else:
@@ -90,17 +116,51 @@ def test_a_read_through_another_place_sees_the_batches_appends_or_is_named(place
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("place", ["closure", "global", "object"])
+@pytest.mark.parametrize("place", PLACES)
 def test_appends_through_another_place_merge_exactly(place):
     holders = {}
 
     def make():
-        brain, holder = _brain(place)
-        holders[id(brain)] = holder
+        brain, held = _brain(place)
+        holders[id(brain)] = held
         return brain
 
     single, brains, merged = simulate(make, lambda brain, b: brain.add(f"u{b}"), [[0, 2], [1, 3, 4], []])
     assert not merged.assumed and not merged.conflicts, (merged.assumed, merged.conflicts)
     for brain in brains:
         assert brain.ids == single.ids == [f"u{b}" for b in range(5)]
-        assert _held(place, brain, holders[id(brain)]) is brain.ids
+        assert all(held is brain.ids for held in holders[id(brain)]())
+
+
+def _tuple_brain():
+    """A Brain whose ``size()`` reads its ``ids`` through its own attribute ``pair``, a
+    tuple, which the Brain's watch holds: no recording copy can stand in it."""
+    ids = []
+    brain = types.SimpleNamespace(ids=ids, sizes=[], pair=(ids, "ids"))
+    brain.size = lambda: len(brain.pair[0])
+    return brain
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2, 3]], [[0, 2], [1, 3], []]], ids=["1", "3-one-idle"])
+def test_a_read_through_the_brains_own_tuple_is_named(layout):
+    def batch(brain, b):
+        brain.ids.append(f"u{b}")
+        brain.sizes.append(brain.size())
+
+    single, brains, merged = simulate(_tuple_brain, batch, layout)
+    assert single.sizes == [1, 2, 3, 4]
+    assert brains[0].sizes != single.sizes  # the tuple held the container itself: the stage-start contents
+    assert "sizes" in merged.assumed, merged.assumed
+    assert "(a tuple)" in merged.assumed["sizes"] and "'pair[0]'" in merged.assumed["sizes"], merged.assumed["sizes"]
+    for brain in brains:
+        assert brain.ids == single.ids  # the appends, through the Brain, merge exactly
+        assert brain.size() == 4  # after the stage the tuple holds the container, merged
+
+
+@pytest.mark.fast
+def test_the_brains_own_tuple_holding_a_container_no_batch_changes_is_not_named():
+    single, brains, merged = simulate(_tuple_brain, lambda brain, b: brain.sizes.append(brain.size()),
+                                      [[0, 2], [1, 3], []])
+    assert not merged.assumed and not merged.conflicts, (merged.assumed, merged.conflicts)
+    assert all(brain.sizes == single.sizes == [0, 0, 0, 0] for brain in brains)

@@ -12,6 +12,7 @@ switched off: tests/test_checks_switched_off.py.
 """
 
 import collections
+import functools
 import hashlib
 import io
 import pickle
@@ -156,11 +157,31 @@ def silently_wrong(per_batch, owners, world_size, start=False):
 
 
 def _holds_named(value, brain, named):
-    """Whether ``value`` is a function whose closure holds a named attribute's container
-    (named with it), or an object such a closure holds."""
+    """Whether ``value`` is a function or a ``functools.partial`` whose closure or
+    arguments hold a named attribute's container, directly or through dicts, lists,
+    tuples and objects up to three steps down (named with it)."""
+    if not callable(value) or not (isinstance(value, functools.partial) or getattr(value, "__closure__", None)):
+        return False
     held = {id(getattr(brain, label)) for label in named if hasattr(brain, label)}
-    cells = [cell.cell_contents for cell in getattr(value, "__closure__", None) or ()]
-    return any(id(c) in held or any(id(v) in held for v in getattr(c, "__dict__", {}).values()) for c in cells)
+    return any(id(v) in held for v in _reached(value, 3))
+
+
+def _reached(value, depth):
+    """What a function's cells, a partial's arguments, a dict's values, a list's or
+    tuple's entries and an object's fields hold, ``depth`` steps down."""
+    if depth == 0:
+        return []
+    if isinstance(value, functools.partial):
+        inner = [*value.args, *value.keywords.values()]
+    elif getattr(value, "__closure__", None):
+        inner = [cell.cell_contents for cell in value.__closure__]
+    elif isinstance(value, dict):
+        inner = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        inner = list(value)
+    else:
+        inner = list(getattr(value, "__dict__", {}).values()) if not isinstance(value, torch.Tensor) else []
+    return inner + [x for v in inner for x in _reached(v, depth - 1)]
 
 
 @st.composite
@@ -289,7 +310,7 @@ def test_a_value_bound_anew_from_its_previous_one_equals_one_process_or_is_named
 
 # Another reference to a watched container: a second attribute, a field of hparams one level deep (issue 37)
 ALIASED = [name for name in grammar.OPERATIONS if "hparams" in name or "same_nested" in name or "by_stage" in name
-           or "closure" in name or "outside object" in name] + [
+           or "closure" in name or "outside object" in name or "partial's" in name or "tuple's" in name] + [
     "list.append", "nested.append([b])", "steer by nested[0]", "dict.__setitem__", "+= int"]
 
 

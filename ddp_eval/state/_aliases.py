@@ -13,10 +13,12 @@ held the container if batches changed or read it
 (:func:`ddp_eval.state.bookkeeping._name_places_bound_apart`). At the end, an
 attribute of the Brain or a field of ``hparams`` a batch bound to a recording copy
 (``self.current = self.items``) gets the container back too: no stand-in outlives
-the stage. So do the places outside the Brain its code reaches: a closure's
-variable of a function the Brain or ``hparams`` holds, a global its batch code
-names, and a field of an object of the recipe's own (or a module's global) one
-level below (:func:`_places_outside`).
+the stage. So do the places outside the Brain its code reaches
+(:func:`_places_outside`): a closure's variable or a ``functools.partial``'s
+argument of a function the Brain or ``hparams`` holds, a global its batch code
+names, and below them, dicts', lists' and recipe objects' entries; a tuple there
+is replaced by one like it holding the copies. A tuple the Brain or ``hparams``
+holds cannot be: its container, if batches change it, is named with it.
 
 Example
 -------
@@ -34,9 +36,11 @@ True
 True
 """
 
+import collections
+import functools
 import itertools
 import types
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
@@ -79,9 +83,11 @@ class SharedCopies:
                 self.held.append((label, owner, name, copy, of))
         self.notes = notes
         self.restored: List[Tuple[str, Any, Any, Any, Any, str]] = []  # given their container back
-        self.elsewhere = _hold_copies_elsewhere(brain, notes) if _recording.SHARE_COPIES and notes.copies else []
-        for label, _, _, _, copy, _ in self.elsewhere:
-            notes.shared.setdefault(id(copy), []).append(label)  # no per-batch probe in its place: the copy
+        self.elsewhere, self.unseen = (_hold_copies_elsewhere(brain, notes) if _recording.SHARE_COPIES
+                                       and notes.copies else ([], {}))
+        for label, _, _, _, copy, of in self.elsewhere:
+            if of is not None:  # of None: a tuple holding copies (its entries are noted)
+                notes.shared.setdefault(id(copy), []).append(label)  # no per-batch probe in its place: the copy
 
     def note_rebound(self) -> None:
         """Notes the fields a batch bound another value to
@@ -90,7 +96,7 @@ class SharedCopies:
             if get_value(owner, name) is not copy:
                 self.notes.rebound(copy, of)
         for _, place, key, _, copy, of in self.elsewhere:
-            if _held(place, key) is not copy:
+            if of is not None and _held(place, key) is not copy:  # of None: a tuple holding copies
                 self.notes.rebound(copy, of)
 
     def touched(self) -> List[str]:
@@ -124,44 +130,142 @@ class SharedCopies:
         self.restored, self.elsewhere = self.restored + self.elsewhere, []
 
 
-def _hold_copies_elsewhere(brain: Any, notes: BatchNotes) -> List[Tuple[str, Any, Any, Any, Any, str]]:
-    """Each closure's cell, module's global and field of an object of the recipe's own
-    outside the Brain (:func:`_places_outside`) that holds a watched container gets
-    its recording copy for the stage, so that a batch's read through it sees what
-    batches added, and is on the record: ``(label, place, key, original, copy, label
-    of the container)``."""
+def _hold_copies_elsewhere(brain: Any, notes: BatchNotes) -> Tuple[List[Tuple[str, Any, Any, Any, Any, str]],
+                                                                     Dict[str, List[str]]]:
+    """Each place outside the Brain its code may read a watched container through
+    (:func:`_places_outside`) gets the container's recording copy for the stage, so
+    that a batch's read through it sees what batches added, and is on the record:
+    ``(label, place, key, original, copy, label of the container)``. With them, the
+    places that cannot take the copy (a tuple's entries), by the container's label."""
     originals = {id(original): (original, copy, of) for original, copy, of in notes.copies.values()}
-    swapped = []
-    for label, place, key in _places_outside(brain):
+    swapped, unseen = [], {}
+    places, tuples = _places_outside(brain, originals)
+    for label, place, key in places:
         held = _held(place, key)
         if id(held) in originals and originals[id(held)][0] is held:
             original, copy, of = originals[id(held)]
             _put(place, key, copy)
             swapped.append((label, place, key, original, copy, of))
-    return swapped
+    rebuilt: Dict[int, Any] = {}  # id(tuple) -> a tuple like it holding the recording copies, for the stage
+    for label, held, at, place, key in tuples:
+        if id(held) not in rebuilt:
+            rebuilt[id(held)] = _same_kind(held, [originals[id(e)][1] if id(e) in originals and originals[id(e)][0]
+                                                  is e else e for e in held])
+        like = rebuilt[id(held)] if place is not None else None
+        if like is None:  # the Brain's own tuple (its watch holds it), or a kind rebuilt otherwise: named
+            unseen.setdefault(originals[id(held[at])][2], []).append(f"{label}[{at}]")
+            continue
+        if _held(place, key) is held:
+            _put(place, key, like)  # a tuple like it, holding the recording copies, for the stage
+            swapped.append((label, place, key, held, like, None))
+        notes.shared.setdefault(id(like[at]), []).append(f"{label}[{at}]")
+    return swapped, unseen
 
 
-def _places_outside(brain: Any) -> List[Tuple[str, Any, Any]]:
-    """``(label, cell or dict, key)`` of the places outside the Brain its code may read
-    a container through: the cells of the functions the Brain and ``hparams`` hold
-    (``self.count = lambda: len(ids)``), the globals its batch code names, and one level
-    down, the fields of an object of the recipe's own or the globals of a module such a
-    place holds."""
+def _same_kind(held: tuple, entries: list) -> Any:
+    """A tuple of ``held``'s kind (a namedtuple's too) holding ``entries``, or None."""
+    if type(held) is tuple:
+        return tuple(entries)
+    make = getattr(type(held), "_make", None)
+    try:
+        return make(entries) if make is not None else None
+    except Exception:  # a namedtuple subclass that checks its fields
+        return None
+
+
+_DEPTH = 3  # places below a function's cell or a global the batch code names, looked into
+_MOST_ENTRIES = 256  # a larger dict, list or tuple outside the Brain is not looked into
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tuple[str, Any, Any]],
+                                                                         List[Tuple[str, tuple, int, Any, Any]]]:
+    """``(label, place, key)`` of the places outside the Brain its code may read a
+    container through, and ``(label, tuple, index, place, key)`` of the tuples'
+    entries holding a watched container (``originals``, by id), with the place that
+    holds the tuple (None: the Brain or ``hparams``, whose watch holds it). A place is
+    a cell (``key`` None), a dict or list and its key, or a :class:`_PartialArgs`.
+    The walk starts at the cells, arguments and keywords of the functions and
+    partials the Brain and ``hparams`` hold (``self.count = lambda: len(ids)``,
+    ``functools.partial(f, ids)``) and at the globals the batch code names; it goes
+    :data:`_DEPTH` places down through functions, partials, dicts, lists and tuples
+    of at most :data:`_MOST_ENTRIES` entries, objects of the recipe's own and (one
+    level down) a recipe module's globals; never into a watched container."""
     found: List[Tuple[str, Any, Any]] = []
-    values = [value for _, value in _attributes(brain)] + [value for *_, value in _hparams_fields(brain)]
-    for value in values:
-        function = getattr(value, "__func__", value)  # a bound method: its function's cells
-        for at, cell in enumerate(getattr(function, "__closure__", None) or ()):
-            found.append((f"{getattr(function, '__qualname__', 'a function')}'s variable {at}", cell, None))
+    tuples: List[Tuple[str, tuple, int, Any, Any]] = []
+    seen = {id(brain)} | set(originals)
+
+    def note_tuple(label: str, value: Any, place: Any, key: Any) -> None:  # every place holding it
+        if isinstance(value, tuple) and len(value) <= _MOST_ENTRIES:
+            tuples.extend((label, value, at, place, key) for at, held in enumerate(value)
+                          if id(held) in originals and originals[id(held)][0] is held)
+
+    def look_into(label: str, value: Any, depth: int, objects: bool = True) -> None:
+        if id(value) in seen or depth > _DEPTH:
+            return
+        seen.add(id(value))
+        if isinstance(value, tuple) and len(value) <= _MOST_ENTRIES:  # no place to put a copy in: looked through
+            for at, held in enumerate(value):
+                note_tuple(f"{label}[{at}]", held, None, None)  # a tuple in a tuple: named
+                look_into(f"{label}[{at}]", held, depth + 1)
+        for place_label, place, key in _places_in(label, value, objects, depth <= 1):
+            found.append((place_label, place, key))
+            note_tuple(place_label, _held(place, key), place, key)
+            look_into(place_label, _held(place, key), depth + 1)
+
+    for name, value in _attributes(brain):  # the Brain's own containers and objects are watched: their cells only
+        note_tuple(name, value, None, None)
+        look_into(name, value, 0, objects=False)
+    for label, _, _, value in _hparams_fields(brain):
+        note_tuple(label, value, None, None)  # a field of hparams: the Brain's watch may hold it too
+        look_into(label, value, 0, objects=False)
     for function, name in reach(brain)[2]:
-        found.append((f"global {function.__module__}.{name}", function.__globals__, name))
-    for label, place, key in list(found):  # one level down
-        held = _held(place, key)
-        if isinstance(held, types.ModuleType) and held.__name__.split(".")[0] not in LIBRARIES | {"ddp_eval"}:
-            found += [(f"global {held.__name__}.{name}", vars(held), name) for name in list(vars(held))]
-        elif _of_the_recipe(held) and not hasattr(held, "_ddp_brain_attributes"):
-            found += [(f"{label}.{name}", _fields_of(held), name) for name in list(_fields_of(held))]
-    return found
+        label = f"global {function.__module__}.{name}"
+        found.append((label, function.__globals__, name))
+        note_tuple(label, function.__globals__.get(name), function.__globals__, name)
+        look_into(label, function.__globals__.get(name), 1)
+    return found, tuples
+
+
+def _places_in(label: str, value: Any, objects: bool, modules: bool) -> List[Tuple[str, Any, Any]]:
+    """The places ``value`` holds (see :func:`_places_outside`): with ``objects``, a
+    dict's, list's and object's of the recipe's own; with ``modules``, a module's."""
+    function = getattr(value, "__func__", value)  # a bound method: its function's cells
+    places: List[Tuple[str, Any, Any]] = []
+    if isinstance(value, functools.partial):
+        places += [(f"{label}.args[{at}]", _PartialArgs(value), at) for at in range(len(value.args))]
+        places += [(f"{label}.keywords[{key!r}]", value.keywords, key) for key in list(value.keywords)]
+        function = value.func
+    cells = getattr(function, "__closure__", None) if isinstance(function, types.FunctionType) else None
+    places += [(f"{function.__qualname__}'s variable {at}", cell, None) for at, cell in enumerate(cells or ())]
+    if not objects:
+        return places
+    if type(value) in _DICTS and len(value) <= _MOST_ENTRIES:
+        places += [(f"{label}[{key!r}]", value, key) for key in list(value)]
+    elif type(value) is list and len(value) <= _MOST_ENTRIES:
+        places += [(f"{label}[{at}]", value, at) for at in range(len(value))]
+    elif isinstance(value, types.ModuleType):
+        if modules and value.__name__.split(".")[0] not in LIBRARIES | {"ddp_eval"}:
+            places += [(f"global {value.__name__}.{name}", vars(value), name) for name in list(vars(value))]
+    elif _of_the_recipe(value) and not hasattr(value, "_ddp_brain_attributes"):
+        places += [(f"{label}.{name}", _fields_of(value), name) for name in list(_fields_of(value))]
+    return places
+
+
+class _PartialArgs:
+    """The positional arguments of a ``functools.partial`` as a place: an argument is
+    set through the partial's ``__setstate__`` (its ``args`` is a tuple)."""
+
+    def __init__(self, partial: functools.partial) -> None:
+        self.partial = partial
+
+    def get(self, at: int) -> Any:
+        args = self.partial.args
+        return args[at] if at < len(args) else None
+
+    def __setitem__(self, at: int, value: Any) -> None:
+        func, args, keywords, fields = self.partial.__reduce__()[2]
+        self.partial.__setstate__((func, (*args[:at], value, *args[at + 1:]), keywords, fields))
 
 
 def _of_the_recipe(value: Any) -> bool:
@@ -177,12 +281,14 @@ def _fields_of(value: Any) -> Any:
 
 
 def _held(place: Any, key: Any) -> Any:
-    """What a cell (``key`` None) or a dict holds."""
+    """What a cell (``key`` None), a dict, a list or a :class:`_PartialArgs` holds at ``key``."""
     if key is None:
         try:
             return place.cell_contents
         except ValueError:  # a cell not filled yet
             return None
+    if type(place) is list:
+        return place[key] if key < len(place) else None
     return place.get(key)
 
 

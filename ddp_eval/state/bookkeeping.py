@@ -201,12 +201,20 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
                        - set(steering))
+    unseen = {label: places for report in reports for label, places in report.get("unseen_holders", {}).items()
+              if label in changed}  # a read through a tuple holding it: the stage-start contents, unseen
     outside = sorted({label for report in reports for label in report.get("outside", ())  # a module learning:
                       if not of_a_module(label, report.get("modules", ({},))[0])})  # named apart, as an effect
     if steering:
         why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
                "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
                "batches did it; read accumulated values in on_stage_end, or declare the merge (ddp_eval: merge)")
+    elif unseen:
+        label, places = sorted(unseen.items())[0]
+        why = (f"batches changed {label!r}, which {places} also held at stage start, where ddp_eval cannot put the "
+               "copy it records through (a tuple): a batch's read there saw the stage-start contents, unseen, and "
+               "what a batch computed from it may differ from one process: merged as each rank's batches did it; "
+               "hold it in a list or on the Brain instead, or read it in on_stage_end")
     elif outside:  # no read of it is seen: any batch may have read it
         why = (f"state outside the Brain {outside} changed during the stage, so on each rank it held only its own "
                "batches' share, and what a batch computed from it may differ from one process: merged as each "
@@ -290,6 +298,7 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for key in ("whole_reads", "c_reads", "absent_reads", "shape_reads", "shared_changed"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
+        merged["unseen_holders"] = {**piece.get("unseen_holders", {}), **merged.get("unseen_holders", {})}
         merged["made"] = {label: [*merged.get("made", {}).get(label, ()), *piece.get("made", {}).get(label, ())]
                           for label in {*merged.get("made", {}), *piece.get("made", {})}}
         merged["watched"] = sorted(set(merged["watched"]) | set(piece.get("watched", ())))
@@ -426,6 +435,7 @@ class StageBook:
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
                 "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
+                "unseen_holders": self.shared.unseen,
                 "made": {label: list(did) for label, did in self.attributes.notes.made.items()},
                 "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
                     self.metrics.objects))}
