@@ -19,10 +19,10 @@ rank, returning what ``on_stage_end`` saw.
 * ``outside_reads``: a counter kept in an object of ``hparams`` (not listed in
   ``attributes_include``), read by every batch to choose what it appends to a Brain list:
   the list is named with the outside state.
-* ``held_outside``: Brain lists a closure, a ``functools.partial``'s argument and a dict
-  a closure holds also hold, appended to through them, and one read through an object of
-  the recipe's own only a closure holds, whose length steers an append (exact in one
-  process; named on ranks).
+* ``held_outside``: Brain lists a closure, a ``functools.partial``'s argument, a dict a
+  closure holds, a global tuple and a global list also hold, appended to through them,
+  and one read through an object of the recipe's own only a closure holds, whose
+  length steers an append (exact in one process; named on ranks).
 * ``ordinary_code`` (issue 26): what ordinary Python and PyTorch code does outside the
   patterns above: a pre-sized list changed in place (``hist[label] += 1``), a
   MetricStats subclass of the recipe's own with a dict of lists per speaker and a
@@ -174,6 +174,9 @@ class Report:
 
     def __init__(self, ids):
         self.ids = ids
+
+
+PAIR, HELD = None, None  # bound by the held_outside pattern's on_stage_start
 
 
 def _append_to(items, item):
@@ -489,6 +492,9 @@ class PatternBrain(toy.ToyBrain):
         self.count_ids = (lambda report: lambda: len(report.ids))(Report(self.ids))  # an object only it holds
         self.add_loss = functools.partial(_append_to, self.losses)  # a partial's argument
         self.add_label = (lambda lists: lambda y: lists["labels"].append(y))({"labels": self.labels})  # a dict's
+        global PAIR, HELD  # a tuple and a list, globals of the recipe's module the batch code names
+        self.pair_ids, self.held_labels = [], []
+        PAIR, HELD = (self.pair_ids, "ids"), self.held_labels
 
     def _batch_held_outside(self, logits, labels, loss, batch, stage):
         for i in batch.id:
@@ -497,10 +503,14 @@ class PatternBrain(toy.ToyBrain):
         self.add_loss(round(float(loss), 6))
         for y in labels.tolist():
             self.add_label(y)
+            HELD.append(y)
+        PAIR[0].extend(batch.id)
 
     def _end_held_outside(self, stage, stage_loss, epoch):
         return {"ids": list(self.ids), "sizes": list(self.sizes), "count": self.count_ids(),
-                "losses": list(self.losses), "labels": list(self.labels), "held": self.add_loss.args[0] is self.losses}
+                "losses": list(self.losses), "labels": list(self.labels), "held": self.add_loss.args[0] is self.losses,
+                "pair_ids": list(self.pair_ids), "held_labels": list(self.held_labels),
+                "globals_held": PAIR[0] is self.pair_ids and HELD is self.held_labels}
 
     # -- training_only: a random augmentation in hparams, never called in VALID/TEST ----------
 

@@ -269,13 +269,16 @@ def test_a_container_a_closure_also_holds_is_merged_and_its_reads_there_are_name
     world_size, outs = ranks
     want = evaluation_records(references["held_outside"])
     assert want[0]["ids"] and want[0]["sizes"] == sorted(want[0]["sizes"])  # the pattern ran
-    assert all(w["held"] and len(w["losses"]) == len(w["sizes"]) and len(w["labels"]) == len(w["ids"]) for w in want)
+    assert all(w["held"] and len(w["losses"]) == len(w["sizes"]) and len(w["labels"]) == len(w["ids"])
+               and w["pair_ids"] == w["ids"] and w["globals_held"] for w in want)
     for out in outs:
         got = evaluation_records(out["held_outside"])
         assert [g["ids"] for g in got] == [w["ids"] for w in want]
         assert [g["count"] for g in got] == [len(w["ids"]) for w in want]  # the closure's object: merged too
-        for key in ("losses", "labels", "held"):  # through a partial's argument and a closure's dict: merged exactly
+        for key in ("losses", "labels", "held", "pair_ids", "held_labels", "globals_held"):  # through a partial's
+            # argument, a closure's dict, a global tuple and a global list: merged exactly
             assert [g[key] for g in got] == [w[key] for w in want], key
         assert any(g["sizes"] != w["sizes"] for g, w in zip(got, want))  # each rank's own count: no merge is right
     warnings = " ".join(outs[0]["held_outside"]["warnings"])
+    assert "PAIR" not in warnings and "HELD" not in warnings, warnings  # no global named as changed outside
     assert "'sizes'" in warnings and "read accumulated values in on_stage_end" in warnings, warnings
