@@ -175,6 +175,7 @@ def _same_kind(held: tuple, entries: list) -> Any:
 
 _DEPTH = 3  # places below a function's cell or a global the batch code names, looked into
 _MOST_ENTRIES = 256  # a larger dict, list or tuple outside the Brain is not looked into
+_MOST_PLACES = 10_000  # the walk stops there: a stage start stays cheap
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
@@ -190,7 +191,8 @@ def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tupl
     ``functools.partial(f, ids)``) and at the globals the batch code names; it goes
     :data:`_DEPTH` places down through functions, partials, dicts, lists and tuples
     of at most :data:`_MOST_ENTRIES` entries, objects of the recipe's own and (one
-    level down) a recipe module's globals; never into a watched container."""
+    level down) a recipe module's globals, :data:`_MOST_PLACES` places at most;
+    never into a watched container."""
     found: List[Tuple[str, Any, Any]] = []
     tuples: List[Tuple[str, tuple, int, Any, Any]] = []
     seen = {id(brain)} | set(originals)
@@ -201,7 +203,7 @@ def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tupl
                           if id(held) in originals and originals[id(held)][0] is held)
 
     def look_into(label: str, value: Any, depth: int, objects: bool = True) -> None:
-        if id(value) in seen or depth > _DEPTH:
+        if id(value) in seen or depth > _DEPTH or len(found) > _MOST_PLACES:
             return
         seen.add(id(value))
         if isinstance(value, tuple) and len(value) <= _MOST_ENTRIES:  # no place to put a copy in: looked through
