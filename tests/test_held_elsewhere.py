@@ -164,3 +164,17 @@ def test_the_brains_own_tuple_holding_a_container_no_batch_changes_is_not_named(
                                       [[0, 2], [1, 3], []])
     assert not merged.assumed and not merged.conflicts, (merged.assumed, merged.conflicts)
     assert all(brain.sizes == single.sizes == [0, 0, 0, 0] for brain in brains)
+
+
+@pytest.mark.fast
+def test_the_brains_own_tuple_is_named_beside_a_read_that_steers():
+    """A batch that also reads the list whole through the Brain: the message of that
+    read names the tuple's place too."""
+    def batch(brain, b):
+        brain.ids.append(f"u{b}")
+        brain.sizes.append((len(brain.ids), brain.size()))
+
+    single, brains, merged = simulate(_tuple_brain, batch, [[0, 2], [1, 3], []])
+    assert brains[0].sizes != single.sizes
+    why = merged.assumed["sizes"]
+    assert "batches read ['ids']" in why and "'pair[0]'" in why and "(a tuple)" in why, why

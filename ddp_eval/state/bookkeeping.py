@@ -205,16 +205,16 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
               if label in changed}  # a read through a tuple holding it: the stage-start contents, unseen
     outside = sorted({label for report in reports for label in report.get("outside", ())  # a module learning:
                       if not of_a_module(label, report.get("modules", ({},))[0])})  # named apart, as an effect
+    held = "".join(f"; batches changed {label!r}, which {places} also held at stage start, where ddp_eval cannot "
+                   "put the copy it records through (a tuple): a batch's read there saw the stage-start contents, "
+                   "unseen; hold it in a list or on the Brain instead" for label, places in sorted(unseen.items()))
     if steering:
         why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
                "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
-               "batches did it; read accumulated values in on_stage_end, or declare the merge (ddp_eval: merge)")
+               f"batches did it; read accumulated values in on_stage_end, or declare the merge (ddp_eval: merge){held}")
     elif unseen:
-        label, places = sorted(unseen.items())[0]
-        why = (f"batches changed {label!r}, which {places} also held at stage start, where ddp_eval cannot put the "
-               "copy it records through (a tuple): a batch's read there saw the stage-start contents, unseen, and "
-               "what a batch computed from it may differ from one process: merged as each rank's batches did it; "
-               "hold it in a list or on the Brain instead, or read it in on_stage_end")
+        why = ("what a batch computed may differ from one process, since a read may have seen a container's "
+               f"stage-start contents: merged as each rank's batches did it; read it in on_stage_end{held}")
     elif outside:  # no read of it is seen: any batch may have read it
         why = (f"state outside the Brain {outside} changed during the stage, so on each rank it held only its own "
                "batches' share, and what a batch computed from it may differ from one process: merged as each "
