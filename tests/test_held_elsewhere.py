@@ -73,7 +73,8 @@ def _brain(place):
              "object": lambda h: h.ids, "object_in_object": lambda h: h.ids.ids}[place]
     size, add = (lambda h: lambda: len(reach(h)))(holder), (lambda h: lambda i: reach(h).append(i))(holder)
     brain = types.SimpleNamespace(ids=ids, sizes=[], size=size, add=add)
-    return brain, lambda: (reach(holder),)
+    cells = [f.__closure__[f.__code__.co_freevars.index("h")] for f in (size, add)]  # where they read it
+    return brain, lambda: tuple(reach(cell.cell_contents) for cell in cells)
 
 
 PLACES = ["closure", "global", "object", "partial", "recipe_dict", "list", "tuple", "namedtuple", "object_in_object"]
@@ -178,3 +179,26 @@ def test_the_brains_own_tuple_is_named_beside_a_read_that_steers():
     assert brains[0].sizes != single.sizes
     why = merged.assumed["sizes"]
     assert "batches read ['ids']" in why and "'pair[0]'" in why and "(a tuple)" in why, why
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("place", PLACES)
+def test_a_stage_ended_by_an_exception_gives_each_place_its_container_back(place):
+    """``ShardedStage.abandon`` releases the stage's book: every place outside the
+    Brain holds the container itself again, of its own type, with what the batches
+    that ran appended (no stand-in outlives a failed stage)."""
+    from ddp_eval.config import DDPEvalConfig
+    from ddp_eval.state.bookkeeping import StageBook
+
+    brain, held = _brain(place)
+    brain._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+    book = StageBook(brain, DDPEvalConfig())
+    book.start()
+    assert all(h is brain.ids for h in held())  # the Brain's recording copy stands there too, for the stage
+    brain.add("u0")
+    book.after_batch()
+    brain.add("u1")  # the batch that raised
+    book.release()
+    assert type(brain.ids) is list and brain.ids == ["u0", "u1"]
+    for h in held():
+        assert h is brain.ids and type(h) is list
