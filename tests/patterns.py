@@ -20,9 +20,10 @@ rank, returning what ``on_stage_end`` saw.
   ``attributes_include``), read by every batch to choose what it appends to a Brain list:
   the list is named with the outside state.
 * ``held_outside``: Brain lists a closure, a ``functools.partial``'s argument, a dict a
-  closure holds, a global tuple and a global list also hold, appended to through them,
-  and one read through an object of the recipe's own only a closure holds, whose
-  length steers an append (exact in one process; named on ranks).
+  closure holds, a global tuple, a global list and a dict of ``hparams`` also hold,
+  appended to through them, and reads through an object of the recipe's own only a
+  closure holds and through ``hparams``' dict, whose lengths steer appends (exact in
+  one process; named on ranks).
 * ``ordinary_code`` (issue 26): what ordinary Python and PyTorch code does outside the
   patterns above: a pre-sized list changed in place (``hist[label] += 1``), a
   MetricStats subclass of the recipe's own with a dict of lists per speaker and a
@@ -495,6 +496,7 @@ class PatternBrain(toy.ToyBrain):
         global PAIR, HELD  # a tuple and a list, globals of the recipe's module the batch code names
         self.pair_ids, self.held_labels = [], []
         PAIR, HELD = (self.pair_ids, "ids"), self.held_labels
+        self.kept, self.kept_sizes = self.hparams.lists["kept"], []  # a list of the YAML's, kept across stages
 
     def _batch_held_outside(self, logits, labels, loss, batch, stage):
         for i in batch.id:
@@ -505,12 +507,16 @@ class PatternBrain(toy.ToyBrain):
             self.add_label(y)
             HELD.append(y)
         PAIR[0].extend(batch.id)
+        self.hparams.lists["kept"].extend(batch.id)  # appended through hparams' dict
+        self.kept_sizes.append(len(self.hparams.lists["kept"]))  # read there: on a rank, its own batches' count
 
     def _end_held_outside(self, stage, stage_loss, epoch):
         return {"ids": list(self.ids), "sizes": list(self.sizes), "count": self.count_ids(),
                 "losses": list(self.losses), "labels": list(self.labels), "held": self.add_loss.args[0] is self.losses,
                 "pair_ids": list(self.pair_ids), "held_labels": list(self.held_labels),
-                "globals_held": PAIR[0] is self.pair_ids and HELD is self.held_labels}
+                "globals_held": PAIR[0] is self.pair_ids and HELD is self.held_labels,
+                "kept": list(self.kept), "kept_sizes": list(self.kept_sizes),
+                "kept_held": self.hparams.lists["kept"] is self.kept}
 
     # -- training_only: a random augmentation in hparams, never called in VALID/TEST ----------
 
@@ -543,6 +549,8 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
         brain.hparams.input_norm = InputNormalization()
     if pattern == "outside_reads":
         brain.hparams.tally = types.SimpleNamespace(inner=types.SimpleNamespace(n=0))
+    if pattern == "held_outside":
+        brain.hparams.lists = {"kept": []}  # as a YAML's `lists: {kept: []}`
     if pattern == "training_only":
         brain.hparams.speed_perturb = SpeedPerturb(orig_freq=8000, speeds=list(range(80, 121, 4)))
     return brain

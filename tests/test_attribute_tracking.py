@@ -26,17 +26,18 @@ LAYOUTS = {"2 ranks": [[0, 3, 4], [1, 2, 5]], "3 ranks, one idle": [[0, 3], [1, 
            "one batch each": [[0], [1], [2]]}
 
 
-def simulate(make, batch, layout, budget_mb=64.0):
+def simulate(make, batch, layout, budget_mb=64.0, brain_attributes=()):
     """``(one process, [each rank after the merge], merge result)`` for ``batch(holder, b)``
     run over every batch, and over each rank's share (``layout``), with the stage's own
-    record, merge and apply (:func:`ddp_eval.state.bookkeeping.simulate`)."""
+    record, merge and apply (:func:`ddp_eval.state.bookkeeping.simulate`);
+    ``brain_attributes`` are those ``sb.Brain`` sets up (``hparams``), never watched."""
     single = make()
     for b in range(sum(map(len, layout))):
         batch(single, b)
 
     def brain():
         holder = make()
-        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", *brain_attributes})
         return holder
 
     holders, records, merged = simulate_stage(layout, brain, batch, DDPEvalConfig(attribute_memory_mb=budget_mb))

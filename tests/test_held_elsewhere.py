@@ -1,7 +1,8 @@
 """A watched container that a place outside the Brain also holds (a closure's
 variable, a ``functools.partial``'s argument or keyword, a module's global, the
 recipe's hparams dict two dicts down, a list's entry, a tuple or namedtuple a
-closure holds, an object of the recipe's own, two objects down): for the stage that
+closure holds, an object of the recipe's own, two objects down, and a dict, a list
+or an object that ``self.hparams`` holds, two places down): for the stage that
 place holds the container's recording copy, so a batch's append through it is
 merged and its read there is seen, in one process as in plain Python; after the
 stage it holds the container again, with the merged contents. A tuple the Brain
@@ -54,6 +55,13 @@ def _brain(place):
         size, add = functools.partial(_count, ids), functools.partial(_add, held=ids)
         brain = types.SimpleNamespace(ids=ids, sizes=[], size=size, add=add)
         return brain, lambda: (size.args[0], add.keywords["held"])
+    if place.startswith("hparams"):  # read through self.hparams, as a recipe's batch code reads its YAML's values
+        brain = types.SimpleNamespace(ids=ids, sizes=[], hparams=types.SimpleNamespace(
+            lists={"data": {"ids": ids}}, groups=[[ids]], report=Report(Report(ids))))
+        reach = {"hparams_dict": lambda h: h.lists["data"]["ids"], "hparams_list": lambda h: h.groups[0][0],
+                 "hparams_object": lambda h: h.report.ids.ids}[place]
+        brain.size, brain.add = lambda: len(reach(brain.hparams)), lambda i: reach(brain.hparams).append(i)
+        return brain, lambda: (reach(brain.hparams),)
     if place == "closure":
         holder = ids
     elif place == "global":
@@ -77,7 +85,9 @@ def _brain(place):
     return brain, lambda: tuple(reach(cell.cell_contents) for cell in cells)
 
 
-PLACES = ["closure", "global", "object", "partial", "recipe_dict", "list", "tuple", "namedtuple", "object_in_object"]
+PLACES = ["closure", "global", "object", "partial", "recipe_dict", "list", "tuple", "namedtuple", "object_in_object",
+          "hparams_dict", "hparams_list", "hparams_object"]
+SB = ("hparams",)  # set up by sb.Brain: not one of the Brain's watched values
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +114,7 @@ def test_a_read_through_another_place_sees_the_batches_appends_or_is_named(place
         brain.ids.append(f"u{b}")
         brain.sizes.append(brain.size())  # steered by what earlier batches appended
 
-    single, brains, merged = simulate(make, batch, layout)
+    single, brains, merged = simulate(make, batch, layout, brain_attributes=SB)
     assert single.sizes == [1, 2, 3, 4, 5, 6]
     for brain in brains:
         assert brain.ids == single.ids
@@ -126,7 +136,8 @@ def test_appends_through_another_place_merge_exactly(place):
         holders[id(brain)] = held
         return brain
 
-    single, brains, merged = simulate(make, lambda brain, b: brain.add(f"u{b}"), [[0, 2], [1, 3, 4], []])
+    single, brains, merged = simulate(make, lambda brain, b: brain.add(f"u{b}"), [[0, 2], [1, 3, 4], []],
+                                      brain_attributes=SB)
     assert not merged.assumed and not merged.conflicts, (merged.assumed, merged.conflicts)
     for brain in brains:
         assert brain.ids == single.ids == [f"u{b}" for b in range(5)]
@@ -191,7 +202,7 @@ def test_a_stage_ended_by_an_exception_gives_each_place_its_container_back(place
     from ddp_eval.state.bookkeeping import StageBook
 
     brain, held = _brain(place)
-    brain._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+    brain._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", *SB})
     book = StageBook(brain, DDPEvalConfig())
     book.start()
     assert all(h is brain.ids for h in held())  # the Brain's recording copy stands there too, for the stage

@@ -264,21 +264,24 @@ def test_a_value_a_batch_computed_from_state_outside_the_brain_is_named_with_it(
 def test_a_container_a_closure_also_holds_is_merged_and_its_reads_there_are_named(ranks, references):
     """A Brain list a closure also holds: what batches append through the closure is
     merged exactly (the closure holds the list's recording copy for the stage), and a
-    read of its length through an object only a closure holds, which steers an append,
-    is seen and named. After the stage both hold the merged list."""
+    read of its length through an object only a closure holds or through a dict of
+    ``hparams``, which steers an append, is seen and named. After the stage each place
+    holds the merged list itself."""
     world_size, outs = ranks
     want = evaluation_records(references["held_outside"])
     assert want[0]["ids"] and want[0]["sizes"] == sorted(want[0]["sizes"])  # the pattern ran
     assert all(w["held"] and len(w["losses"]) == len(w["sizes"]) and len(w["labels"]) == len(w["ids"])
-               and w["pair_ids"] == w["ids"] and w["globals_held"] for w in want)
+               and w["pair_ids"] == w["ids"] and w["globals_held"] and w["kept_held"] and w["kept"] for w in want)
     for out in outs:
         got = evaluation_records(out["held_outside"])
         assert [g["ids"] for g in got] == [w["ids"] for w in want]
         assert [g["count"] for g in got] == [len(w["ids"]) for w in want]  # the closure's object: merged too
-        for key in ("losses", "labels", "held", "pair_ids", "held_labels", "globals_held"):  # through a partial's
-            # argument, a closure's dict, a global tuple and a global list: merged exactly
+        for key in ("losses", "labels", "held", "pair_ids", "held_labels", "globals_held", "kept", "kept_held"):
+            # through a partial's argument, a closure's dict, a global tuple, a global list, hparams' dict: exact
             assert [g[key] for g in got] == [w[key] for w in want], key
         assert any(g["sizes"] != w["sizes"] for g, w in zip(got, want))  # each rank's own count: no merge is right
+        assert any(g["kept_sizes"] != w["kept_sizes"] for g, w in zip(got, want))
     warnings = " ".join(outs[0]["held_outside"]["warnings"])
     assert "PAIR" not in warnings and "HELD" not in warnings, warnings  # no global named as changed outside
+    assert "hparams.lists" not in warnings and "'kept_sizes'" in warnings, warnings
     assert "'sizes'" in warnings and "read accumulated values in on_stage_end" in warnings, warnings

@@ -107,10 +107,11 @@ class ShardedStage:
         verified = brain.__dict__.setdefault("_ddp_verified", set())
         if wants_verification(cfg.verify, self.stage.name, verified) and not is_stream(self.loader):
             self.verifier = StageVerifier(brain, recipe_attributes(brain, cfg))  # before probes and factories
-        self.book = StageBook(brain, cfg)
+        self.book = StageBook(brain, cfg, share=False)
         crcs: Dict[int, int] = {}  # the buffers' checksums, read once for both uses
         tensors = model_of(brain) if self.journal_root is not None else []
         self.outside, self.modules = self._outside_markers(), module_states(brain, crcs)
+        self.book.share()  # after the markers: they see what the recipe's places hold, not the recording copies
         plan, old = None, []
         limit = brain.debug_batches if getattr(brain, "debug", False) else None  # --debug: global batches
 

@@ -15,10 +15,11 @@ attribute of the Brain or a field of ``hparams`` a batch bound to a recording co
 (``self.current = self.items``) gets the container back too: no stand-in outlives
 the stage. So do the places outside the Brain its code reaches
 (:func:`_places_outside`): a closure's variable or a ``functools.partial``'s
-argument of a function the Brain or ``hparams`` holds, a global its batch code
-names, and below them, dicts', lists' and recipe objects' entries; a tuple there
-is replaced by one like it holding the copies. A tuple the Brain or ``hparams``
-holds cannot be: its container, if batches change it, is named with it.
+argument of a function the Brain or ``hparams`` holds, a dict, list or object
+``hparams`` holds, a global its batch code names, and below them, dicts', lists'
+and recipe objects' entries; a tuple there is replaced by one like it holding the
+copies. A tuple the Brain or ``hparams`` holds cannot be: its container, if batches
+change it, is named with it.
 
 Example
 -------
@@ -188,7 +189,8 @@ def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tupl
     a cell (``key`` None), a dict or list and its key, or a :class:`_PartialArgs`.
     The walk starts at the cells, arguments and keywords of the functions and
     partials the Brain and ``hparams`` hold (``self.count = lambda: len(ids)``,
-    ``functools.partial(f, ids)``) and at the globals the batch code names; it goes
+    ``functools.partial(f, ids)``), at the dicts, lists and objects ``hparams``
+    holds (``self.hparams.lists["kept"]``) and at the globals the batch code names; it goes
     :data:`_DEPTH` places down through functions, partials, dicts, lists and tuples
     of at most :data:`_MOST_ENTRIES` entries, objects of the recipe's own and (one
     level down) a recipe module's globals, :data:`_MOST_PLACES` places at most;
@@ -218,9 +220,9 @@ def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tupl
     for name, value in _attributes(brain):  # the Brain's own containers and objects are watched: their cells only
         note_tuple(name, value, None, None)
         look_into(name, value, 0, objects=False)
-    for label, _, _, value in _hparams_fields(brain):
+    for label, _, _, value in _hparams_fields(brain):  # hparams' dicts, lists and objects are outside the Brain
         note_tuple(label, value, None, None)  # a field of hparams: the Brain's watch may hold it too
-        look_into(label, value, 0, objects=False)
+        look_into(label, value, 0, objects=not sb_compat.holds_scratch_state(value))
     for function, name in reach(brain)[2]:
         label = f"global {function.__module__}.{name}"
         found.append((label, function.__globals__, name))

@@ -339,9 +339,12 @@ class StageBook:
         The recipe's Brain (its ``_ddp_brain_attributes`` are never watched).
     config : DDPEvalConfig
         Which metric objects and attributes to watch, and the memory budget.
+    share : bool
+        Whether places outside the Brain hold the recording copies at once; if not,
+        from :meth:`share` on (after the stage-start markers of the state outside).
     """
 
-    def __init__(self, brain: Any, config: Any) -> None:
+    def __init__(self, brain: Any, config: Any, share: bool = True) -> None:
         self.brain, self.config = brain, config
         self.metrics = MetricRecorder(MetricFinder(config.metrics_include, config.metrics_exclude), brain)
         targets = {n: (brain, n) for n in self.attribute_names(self.metrics.objects)}
@@ -356,8 +359,15 @@ class StageBook:
             owner, name = resolve(brain, path) if "." in path else (brain, path)
             self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
-        self.shared = SharedCopies(brain, self.attributes.notes)  # hparams' references to them too
+        self.shared: Optional[SharedCopies] = None
+        if share:
+            self.share()
         self._names_of: Tuple[Any, Any] = (None, None)  # (the Brain's attribute names, holders) last looked at
+
+    def share(self) -> None:
+        """The places outside the Brain that hold a watched container (``hparams``' fields,
+        closures, globals) hold its recording copy from now on, for the stage."""
+        self.shared = SharedCopies(self.brain, self.attributes.notes)
 
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
         """Plain attributes of the recipe's Brain that may be merged (not those
@@ -497,7 +507,8 @@ class StageBook:
         try:
             self.attributes.restore()
         finally:
-            self.shared.restore()
+            if self.shared is not None:  # None: the stage failed before its places outside held the copies
+                self.shared.restore()
 
 
 def simulate(positions_per_rank: Sequence[Sequence[int]], make, batch, config) -> Tuple[List[Any], List[Collected],
