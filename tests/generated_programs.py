@@ -277,6 +277,7 @@ class Brain:
         self.c_count, self.c_reads, self.meter = 0, [], Meter()  # read in C by compute_objectives
         self.c_by_key, self.meters = {0: 0, 1: 0}, {0: Meter(), 1: Meter()}
         self.s_meters, self.d_count, self.f_count, self.handlers = [Meter()], 0, 0, {0: _count_by_handler}
+        self.p_meters, self.g_meters = {0: Meter(), 1: Meter()}, {0: Meter(), 1: Meter()}
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -325,6 +326,10 @@ class Brain:
             self.c_reads.append(2.5 * count)
         elif read == "handler":
             self.handlers[b % 1](self, b)
+        elif read in ("picked", "got"):  # what a call or the dict's own method hands back: one of its entries
+            meter = _pick_meter(self.p_meters, b) if read == "picked" else self.g_meters.get(b % 2)
+            meter.count += 1
+            self.c_reads.append(2.5 * meter.count)
         elif read == "by name":
             getattr(self, f"_c_read_{'by_name'}")(b)
         else:
@@ -344,7 +349,13 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C through a conditional expression": "chosen", "read in C in a loop over objects": "looped",
     "read in C by a method found by name": "by name", "read in C in a loop over enumerate": "enumerated",
     "read in C by a function held in hparams": "callback", "read in C in a loop over a sorted copy": "sorted",
-    "read in C through a list display": "display", "read in C by a function held in a dict": "handler"}
+    "read in C through a list display": "display", "read in C by a function held in a dict": "handler",
+    "read in C of what a function given a dict hands back": "picked",
+    "read in C of what a dict's get hands back": "got"}
+
+
+def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's
+    return meters[b % 2]
 
 
 def _read_in_c(h, b, read):

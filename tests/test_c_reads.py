@@ -290,6 +290,35 @@ class Picked(PerKey):
             self.late.append(2.5 * other.count)
 
 
+def _pick(per_key, b):  # a function of the recipe's own handing back an entry of what it is given
+    return per_key[b % 2]
+
+
+class Helper:
+    def pick(self, per_key, b):
+        return per_key[b % 2]
+
+
+class PickedByCall(PerKey):
+    """A local bound to what a call given a container hands back, or to what its own
+    method does (``m = pick(self.per_key, k)``, ``m = self.per_key.get(k)``): it may be
+    the container or one of its entries, and stands for both."""
+
+    def __init__(self, how="function"):
+        super().__init__()
+        self.how, self.helper = how, Helper()
+
+    def _progress(self, b):
+        if self.how == "function":
+            stats = _pick(self.per_key, b)
+        elif self.how == "method":
+            stats = self.per_key.get(b % 2)
+        else:
+            stats = self.helper.pick(self.per_key, b)
+        stats.count += 1
+        self.late.append(2.5 * stats.count)
+
+
 class Literal(Counting):
     def _progress(self, b):  # an entry of a list display holding the field: the field itself
         seen, correct = [self.seen][0], {"n": self.correct, "k": 1}["n"]
@@ -387,6 +416,8 @@ def test_the_scan_follows_builtins_list_displays_and_functions_held_in_container
     assert read_in_c(Literal) == {"seen", "correct"}
     assert read_in_c_of(Handlers()) == {"correct", "seen", "stats.count", "stats.total", "meters[*].count",
                                         "meters[*].total"}  # not the callables themselves
+    for how in ("function", "method", "helper"):  # what a call hands back: the container, or an entry
+        assert {"per_key[*].count", "per_key.count"} <= read_in_c_of(PickedByCall(how)), how
 
 
 @pytest.mark.fast
@@ -408,7 +439,8 @@ def test_the_scan_finds_right_operands_read_in_c():
 @pytest.mark.parametrize("recipe", [Counting, Steering, Tensors, Passed, Aliased, GivenSelf, Held, Called, GivenField,
                                     InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted,
                                     Indexed, Sliced, Decorated, Unpacked, Looped, Enumerated, Callbacks, Dispatched,
-                                    Listed, Picked, Literal, Handlers])
+                                    Listed, Picked, Literal, Handlers, PickedByCall,
+                                    lambda: PickedByCall("method"), lambda: PickedByCall("helper")])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""

@@ -8,7 +8,9 @@ reads it in C without calling any. This module scans the bytecode of the code
 a batch runs for a field of ``self`` (``self.n``, ``self.stats.count``,
 ``getattr(self, "n")``, or a local bound to one: ``seen = self.seen``, ``a, b =
 self.a, self.b``, ``x = self.a if c else self.b``, ``for m in self.meters``,
-``for m in sorted(self.meters)``, ``x = [self.a][0]``) read
+``for m in sorted(self.meters)``, ``x = [self.a][0]``; what a call given one or a
+method of its own hands back, taken for the field and for each of its entries:
+``m = pick(self.meters, k)``, ``m = self.meters.get(k)``) read
 as the right operand of an arithmetic
 operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and

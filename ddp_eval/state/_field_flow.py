@@ -75,7 +75,8 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
     through ``getattr`` (``getattr(self, "n")``; ``getattr(self, f"{stage}_stats")``:
     ``{*_stats}``) or a local bound to one (``stats = self.stats``, ``a, b = self.a,
     self.b``, ``x = self.a if c else self.b``, ``(x := self.a)``; ``for m in
-    self.meters``, ``enumerate`` or ``zip`` of it: ``meters[*]``)."""
+    self.meters``, ``enumerate`` or ``zip`` of it: ``meters[*]``; ``m =
+    pick(self.meters)``, ``m = self.meters.get(k)``: ``meters`` and ``meters[*]``)."""
     def chains(starts: Dict[int, FrozenSet[str]]) -> Loads:
         found = {}
         for start, paths in starts.items():
@@ -176,6 +177,10 @@ def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List
     ``values()`` or ``items()``, ``enumerate`` or ``zip`` of it)."""
     def at(index: int, *opnames: str) -> bool:
         return index < len(instructions) and instructions[index].opname in opnames
+    method = _method_call(instructions, end) if at(end + 1, "LOAD_METHOD") and instructions[
+        end + 1].argval not in ("values", "items") else None
+    if method is not None:  # x = v.get(k): the value or one of its entries
+        return _whole_or_entry(_bound_to(instructions, start, method))
     taker = _taker(instructions, end)
     if taker is not None and at(taker, "STORE_FAST"):  # x = v; a, b = v, w; x = v if c else w
         return [(instructions[taker].argval, False)]
@@ -202,18 +207,21 @@ def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List
 
 
 def _bound_through_call(instructions: List[dis.Instruction], start: int, end: int) -> List[Tuple[str, bool]]:
-    """:func:`_bound_to` of what a builtin of :data:`_PASSING` returns when given the
-    value pushed from ``start`` to ``end`` first: the value's entries again
-    (``ms = sorted(v)``, ``for m in list(v.values())``: ``ms`` stands for ``v``) or
-    one of them (``m = max(v, key=f)``, ``next(iter(v))``)."""
+    """:func:`_bound_to` of what a call given the value pushed from ``start`` to
+    ``end`` returns. From a builtin of :data:`_PASSING` given it first: the value's
+    entries again (``ms = sorted(v)``, ``for m in list(v.values())``: ``ms`` stands
+    for ``v``) or one of them (``m = max(v, key=f)``, ``next(iter(v))``). From any
+    other call given it, or a method of its own (``m = pick(v, k)``, ``m =
+    v.get(k)``): what it returns may be the value or one of its entries, so it stands
+    for both."""
     taker, above = _take(instructions, end)
-    if taker is None or instructions[taker].opname != "PRECALL" or above != instructions[taker].arg or (
+    if taker is None or instructions[taker].opname != "PRECALL" or above > instructions[taker].arg or (
             taker + 1 >= len(instructions) or instructions[taker + 1].opname != "CALL"):
         return []
     callee = next((i for i in range(start - 1, -1, -1) if instructions[i].opname == "LOAD_GLOBAL"
                    and _taker(instructions, i) == taker + 1), None)
-    if callee is None or instructions[callee].argval not in _PASSING:
-        return []
+    if callee is None or instructions[callee].argval not in _PASSING or above != instructions[taker].arg:
+        return _whole_or_entry(_bound_to(instructions, start, taker + 1))  # another call: the value, or an entry
     bound = _bound_to(instructions, callee, taker + 1)
     if instructions[callee].argval not in _PASSING_ENTRY:
         return bound
@@ -222,6 +230,28 @@ def _bound_through_call(instructions: List[dis.Instruction], start: int, end: in
     if count == 1 or instructions[callee].argval == "next" or (keywords and count == 2):
         return entry
     return entry + bound if keywords else bound  # max(v, w, key=f) or max(v, key=f, default=d); max(v, w)
+
+
+def _whole_or_entry(bound: List[Tuple[str, bool]]) -> List[Tuple[str, bool]]:
+    """``bound``, each local bound to the value standing for its entries too."""
+    return bound + [(name, True) for name, entries in bound if not entries]
+
+
+def _method_call(instructions: List[dis.Instruction], end: int) -> Optional[int]:
+    """The index of the ``CALL`` of a method of the value pushed at ``end``
+    (``v.get(k)``), if the next instruction loads one (None past a jump)."""
+    if end + 1 >= len(instructions) or instructions[end + 1].opname != "LOAD_METHOD":
+        return None
+    depth = 2  # the method and the value
+    for index in range(end + 2, len(instructions)):
+        if instructions[index].opcode in JUMPS:
+            return None
+        depth += stack_effect(instructions[index])
+        if instructions[index].opname == "CALL" and depth == 1:
+            return index
+        if depth < 1:
+            return None
+    return None
 
 
 def _paired_in_loop(instructions: List[dis.Instruction], start: int, end: int) -> Optional[str]:
