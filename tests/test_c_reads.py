@@ -319,6 +319,11 @@ class PickedByCall(PerKey):
         self.late.append(2.5 * stats.count)
 
 
+class ComputedName(Counting):
+    def _progress(self, b):  # getattr given a name a call computes: any field whose name fits
+        self.late.append(2.5 * getattr(self, "SEEN".lower()))
+
+
 class Literal(Counting):
     def _progress(self, b):  # an entry of a list display holding the field: the field itself
         seen, correct = [self.seen][0], {"n": self.correct, "k": 1}["n"]
@@ -455,6 +460,32 @@ def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
                if any(isinstance(value, (int, float)) for value in values_at(brain, parts(label)))}
     assert numbers <= set(ast.literal_eval(read)) <= numbers | {"per_key"}  # Looped's loop reads per_key whole
     assert "read accumulated values in on_stage_end" in why
+
+
+@pytest.mark.fast
+def test_a_field_found_by_a_name_a_call_computes_stands_for_every_field():
+    """``getattr(self, "SEEN".lower())``: any field may be the one read in C; those
+    batches change are named as read, with what batches computed from them."""
+    assert read_in_c(ComputedName) == {"{*}"} and {"seen", "correct", "weight"} <= read_in_c_of(ComputedName())
+    single, holders, merged = simulate(ComputedName, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
+    assert holders[0].late != single.late and "late" in merged.assumed, merged.assumed
+    assert "batches read ['correct', 'seen']" in merged.assumed["late"], merged.assumed["late"]
+
+
+class Described(Held):
+    def _progress(self, b):  # the fields' reprs replay otherwise on a rank: stats['count'] is named, so is stats
+        self.stats.update(b)
+        self.late.append(len(str(vars(self.stats))))
+
+
+@pytest.mark.fast
+def test_a_value_named_in_part_is_named_whole():
+    """A read of ``stats.count`` that gives another answer on a rank names
+    ``stats['count']``; what the same batch computed into ``stats.means`` differs
+    too, so ``stats`` itself is named, not only that field."""
+    single, holders, merged = simulate(Described, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
+    differs = {name for name, want in vars(single).items() if _plain(getattr(holders[0], name)) != _plain(want)}
+    assert {"stats", "late"} <= differs and differs <= set(merged.assumed), (differs, sorted(merged.assumed))
 
 
 @pytest.mark.fast

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import io
 import pickle
+import re
 import types
 import zlib
 
@@ -93,7 +94,29 @@ def run_program(per_batch, owners, world_size, start=False, config=None):
     for record in records:
         named |= set(record.report["unmergeable"])
     named |= set(merged.attributes.conflicts) | set(merged.attributes.assumed)
-    return single, brains, {label.split("[")[0].split(".")[0] for label in named}
+    return single, brains, Named(named)
+
+
+class Named(set):
+    """The top-level attributes named; ``labels``: the labels named, as the merge gave them."""
+
+    def __init__(self, labels):
+        super().__init__(label.split("[")[0].split(".")[0] for label in labels)
+        self.labels = set(labels)
+
+    def only_in_part(self, name):
+        """The labels below ``name`` named, if ``name`` itself is not."""
+        return set() if name in self.labels else {label for label in self.labels if _parts(label)[0] == name}
+
+
+def _parts(label):
+    """``stats['count']``, ``stats.count`` -> ``["stats", "count"]``."""
+    return re.findall(r"[^.\[\]'\"]+", label)
+
+
+def _under_named(path, labels):
+    """Whether a difference at ``path`` lies within a value named at one of ``labels``."""
+    return any(_parts(path)[:len(_parts(label))] == _parts(label) for label in labels)
 
 
 def _unnamed_fields(namespace, held, like=None):
@@ -144,13 +167,17 @@ def silently_wrong(per_batch, owners, world_size, start=False):
             if name == "hparams":  # its fields, but those that hold a named attribute's container (named with it)
                 held = {id(getattr(brain, label)) for label in named if hasattr(brain, label)}
                 got, want = _unnamed_fields(got, held), _unnamed_fields(want, held, like=got)
-            if name in named or _within_rounding(got, want, len(per_batch)) or _holds_named(got, brain, named):
+            if name in named and not getattr(named, "only_in_part", lambda _: ())(name):
+                continue  # named whole
+            if _within_rounding(got, want, len(per_batch)) or _holds_named(got, brain, named):
                 continue
             if isinstance(want, io.IOBase):  # first_difference reads __dict__, which a stream keeps empty
                 if (got.getvalue(), got.tell()) != (want.getvalue(), want.tell()):
                     return rank, (name, repr(got.getvalue()), repr(want.getvalue()))
                 continue
             difference = first_difference(got, want, name)
+            if difference is not None and name in named and _under_named(difference[0], named.only_in_part(name)):
+                continue  # named in part, and its first difference lies there
             if difference is not None and not _same_pickled(got, want):
                 return rank, difference
     return None

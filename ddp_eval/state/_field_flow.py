@@ -142,12 +142,12 @@ def _getattrs(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[s
         if instruction.opname != "LOAD_GLOBAL" or instruction.argval != "getattr" or at + 1 not in starts:
             continue
         owner, paths = starts[at + 1]
-        precall = next((i for i in range(owner + 1, len(instructions) - 1) if instructions[i].opname == "PRECALL"),
-                       None)
+        call = _taker(instructions, at)  # getattr's own (a name computed by a call, name.lower(), has one before)
+        precall = call - 1 if call is not None and instructions[call - 1].opname == "PRECALL" else None
         if precall is None or not (instructions[precall].arg == 2 or (
                 instructions[precall].arg == 3 and instructions[precall - 1].opname == "LOAD_CONST")):
-            continue  # a name computed by a call (name.lower()) is not followed
-        found[precall + 1] = (at, paths, _name_of(instructions[owner + 1:precall + 2 - instructions[precall].arg]))
+            continue
+        found[call] = (at, paths, _name_of(instructions[owner + 1:precall + 2 - instructions[precall].arg]))
     return found
 
 

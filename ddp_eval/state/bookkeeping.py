@@ -184,7 +184,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                                                     changed: set) -> None:
     """A batch whose read gave another answer than one process's (a number whose
     reads do not replay alike; a container or tensor other batches changed, read
-    whole; state outside the Brain that changed, whose reads no probe sees) may
+    whole; a metric object's field read while None, as only a rank's first batch
+    finds it; state outside the Brain that changed, whose reads no probe sees) may
     also have left undone what one process did (``if self.n % 2:
     self.odd.append(i)`` on a rank where ``n`` was even): every value the stage
     watches that is not named yet is named as assumed (merged as recorded)."""
@@ -195,6 +196,8 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("c_reads", ())
                         if _changed_at(result, label, changed)} - set(steering))  # read in C: 100.0 * self.correct
+    steering += sorted({label for report in reports for label in report.get("none_reads", ())}
+                       - set(steering))  # a metric object's field read while None (a rank's first batch)
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)} | {
         top_label(label) for report in reports for label in report.get("unmergeable", ())}
     steering += sorted({label for report in reports for label in report.get("absent_reads", ()) if label in named}
@@ -221,7 +224,7 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                f"rank's batches did it; {_remedy(outside[0])}, or list it in attributes_exclude if no batch reads it")
     else:
         return
-    named = {top_label(label) for label in (*result.conflicts, *result.assumed)}
+    named = {*result.conflicts, *result.assumed}  # whole: a value named in part (stats['count']) is named whole too
     for label in sorted({label for report in reports for label in report.get("watched", ())} - named):
         result.assumed[label] = why
 
@@ -295,7 +298,7 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for label, read in piece.get("read_then_set", {}).items():
             read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
         merged["read_then_set"] = read_then_set
-        for key in ("whole_reads", "c_reads", "absent_reads", "shape_reads", "shared_changed"):
+        for key in ("whole_reads", "c_reads", "absent_reads", "shape_reads", "shared_changed", "none_reads"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
         merged["unseen_holders"] = {**piece.get("unseen_holders", {}), **merged.get("unseen_holders", {})}
@@ -426,7 +429,9 @@ class StageBook:
         changed = {**self.attributes.changed_batches(), **self.metrics.changed_batches}
         report = {"layout": describe(self.metrics, self.brain, positions), "last": last, "changed": changed,
                   "batches": self.metrics.batches, **self.notes()}
-        report["unmergeable"].update(self.lazy.none_reads_that_steer(positions))
+        none_reads = self.lazy.none_reads_that_steer(positions)  # what the batch did after it may differ too
+        report["unmergeable"].update(none_reads)
+        report["none_reads"] = sorted(none_reads)
         return Collected(report, (metric_state, changes), bound)
 
     def notes(self) -> Dict[str, Any]:
