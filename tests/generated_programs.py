@@ -63,6 +63,13 @@ class Meter:
         self.means.append(2.5 * self.count + v)  # a float on the left of a watched int
 
 
+class Count:
+    """An object of the recipe's own whose count batches change; it reads nothing in C."""
+
+    def __init__(self):
+        self.count = 0
+
+
 _LABELS = [f"label{i}" for i in range(1000)]
 
 
@@ -278,6 +285,7 @@ class Brain:
         self.c_by_key, self.meters = {0: 0, 1: 0}, {0: Meter(), 1: Meter()}
         self.s_meters, self.d_count, self.f_count, self.handlers = [Meter()], 0, 0, {0: _count_by_handler}
         self.p_meters, self.g_meters = {0: Meter(), 1: Meter()}, {0: Meter(), 1: Meter()}
+        self.q_a, self.q_b = Count(), Count()  # read in C by a comprehension over a tuple of them
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -326,6 +334,9 @@ class Brain:
             self.c_reads.append(2.5 * count)
         elif read == "handler":
             self.handlers[b % 1](self, b)
+        elif read == "comprehension":
+            self.q_a.count += 1
+            self.c_reads.append([2.5 * t.count for t in (self.q_a, self.q_b)][0])
         elif read in ("picked", "got"):  # what a call or the dict's own method hands back: one of its entries
             meter = _pick_meter(self.p_meters, b) if read == "picked" else self.g_meters.get(b % 2)
             meter.count += 1
@@ -351,7 +362,8 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by a function held in hparams": "callback", "read in C in a loop over a sorted copy": "sorted",
     "read in C through a list display": "display", "read in C by a function held in a dict": "handler",
     "read in C of what a function given a dict hands back": "picked",
-    "read in C of what a dict's get hands back": "got"}
+    "read in C of what a dict's get hands back": "got",
+    "read in C in a comprehension over a tuple of objects": "comprehension"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

@@ -319,6 +319,35 @@ class PickedByCall(PerKey):
         self.late.append(2.5 * stats.count)
 
 
+class Tally:
+    """An accumulator of the recipe's own that reads nothing in C itself."""
+
+    def __init__(self):
+        self.count = 0
+
+
+class Comprehended(Counting):
+    """A comprehension whose loop variable is one of the Brain's objects: over a tuple
+    display of fields, a dict's ``values()`` or ``items()``, a list of them."""
+
+    def __init__(self, over="display"):
+        super().__init__()
+        self.over, self.a, self.b = over, Tally(), Tally()
+        self.by_key, self.tallies = {"x": Tally(), "y": Tally()}, [Tally(), Tally()]
+
+    def _progress(self, b):
+        for tally in (self.a, self.b, self.by_key["x"], self.tallies[b % 2]):
+            tally.count += 1
+        if self.over == "display":
+            self.late.append([2.5 * t.count for t in (self.a, self.b)][0])
+        elif self.over == "values":
+            self.late.append(sum(2.5 * t.count for t in self.by_key.values()))
+        elif self.over == "items":
+            self.late.append({k: 2.5 * t.count for k, t in self.by_key.items()}["x"])
+        else:
+            self.late.append(max({1.5 * t.count for t in self.tallies}))
+
+
 class ComputedName(Counting):
     def _progress(self, b):  # getattr given a name a call computes: any field whose name fits
         self.late.append(2.5 * getattr(self, "SEEN".lower()))
@@ -423,6 +452,8 @@ def test_the_scan_follows_builtins_list_displays_and_functions_held_in_container
                                         "meters[*].total"}  # not the callables themselves
     for how in ("function", "method", "helper"):  # what a call hands back: the container, or an entry
         assert {"per_key[*].count", "per_key.count"} <= read_in_c_of(PickedByCall(how)), how
+    assert {"a.count", "b.count"} <= read_in_c(Comprehended)  # a comprehension's loop over a display of fields
+    assert {"by_key[*].count", "tallies[*].count"} <= read_in_c(Comprehended)
 
 
 @pytest.mark.fast
@@ -445,7 +476,9 @@ def test_the_scan_finds_right_operands_read_in_c():
                                     InModule, InHparams, PerKey, lambda: PerKey(container=list), Counted,
                                     Indexed, Sliced, Decorated, Unpacked, Looped, Enumerated, Callbacks, Dispatched,
                                     Listed, Picked, Literal, Handlers, PickedByCall,
-                                    lambda: PickedByCall("method"), lambda: PickedByCall("helper")])
+                                    lambda: PickedByCall("method"), lambda: PickedByCall("helper"),
+                                    Comprehended, lambda: Comprehended("values"), lambda: Comprehended("items"),
+                                    lambda: Comprehended("list")])
 def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     """Merged as each rank did it (wrong), so named with the read that steered it
     (a rank without a batch reports no read)."""
@@ -458,7 +491,7 @@ def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
     brain = recipe()
     numbers = {label for label in read_in_c_of(brain)
                if any(isinstance(value, (int, float)) for value in values_at(brain, parts(label)))}
-    assert numbers <= set(ast.literal_eval(read)) <= numbers | {"per_key"}  # Looped's loop reads per_key whole
+    assert numbers <= set(ast.literal_eval(read)) <= numbers | {"per_key", "by_key", "tallies"}  # loops read whole
     assert "read accumulated values in on_stage_end" in why
 
 

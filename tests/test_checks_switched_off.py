@@ -138,7 +138,8 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
                                        "read in C through a list display",
                                        "read in C by a function held in a dict",
                                        "read in C of what a function given a dict hands back",
-                                       "read in C of what a dict's get hands back"])
+                                       "read in C of what a dict's get hands back",
+                                       "read in C in a comprehension over a tuple of objects"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without

@@ -10,7 +10,8 @@ a batch runs for a field of ``self`` (``self.n``, ``self.stats.count``,
 self.a, self.b``, ``x = self.a if c else self.b``, ``for m in self.meters``,
 ``for m in sorted(self.meters)``, ``x = [self.a][0]``; what a call given one or a
 method of its own hands back, taken for the field and for each of its entries:
-``m = pick(self.meters, k)``, ``m = self.meters.get(k)``) read
+``m = pick(self.meters, k)``, ``m = self.meters.get(k)``; a comprehension's
+variable: ``[2.5 * m.count for m in (self.a, self.b)]``) read
 as the right operand of an arithmetic
 operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and
@@ -64,7 +65,7 @@ import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ddp_eval.state._field_flow import CALLED, ENTRY, label_of, parts, uses
+from ddp_eval.state._field_flow import CALLED, ENTRY, Iterated, comprehensions, label_of, parts, uses
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
 _STAGE_HOOKS = ("on_stage_start", "on_stage_end", "on_evaluate_start", "on_fit_start")  # not batch code
@@ -288,11 +289,11 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
     named, gives = set(), set()
-    for code in _with_nested(function.__code__):
+    for code, iterated in _with_nested(function.__code__, selves):
         instructions = list(dis.get_instructions(code))
         named |= {(function, instruction.argval) for instruction in instructions
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
-        found, called, given = uses(code, selves)
+        found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
         for module_function in _module_functions(instructions, function.__globals__) if depth else ():
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
@@ -303,11 +304,14 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
     return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives)
 
 
-def _with_nested(code: types.CodeType) -> Iterator[types.CodeType]:
-    yield code
+def _with_nested(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
+                 ) -> Iterator[Tuple[types.CodeType, Iterated]]:
+    """``code`` and its nested code objects, each a comprehension's with what it loops over."""
+    yield code, iterated
+    looped = comprehensions(code, selves, iterated) if selves else {}
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
-            yield from _with_nested(constant)
+            yield from _with_nested(constant, selves, looped.get(constant, (frozenset(), False)))
 
 
 def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]) -> List[types.FunctionType]:

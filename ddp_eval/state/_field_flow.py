@@ -42,17 +42,21 @@ _DISPLAYS = ("BUILD_LIST", "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP")
 _PASSING_ENTRY = ("max", "min", "next")  # given one container (and keywords): return one of its entries
 _PASSING = ("sorted", "list", "tuple", "reversed", "iter", "set", "frozenset", "filter", *_PASSING_ENTRY)
 Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (where its load starts, its paths)
+Iterated = Tuple[FrozenSet[str], bool]  # what a comprehension's entries stand for; whether they are items() pairs
+_COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 
 
-def uses(code: types.CodeType, selves: Tuple[str, ...]) -> Tuple[Set[str], Calls, Set[str]]:
+def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: "Iterated" = (frozenset(), False)
+         ) -> Tuple[Set[str], Calls, Set[str]]:
     """(paths read in C, methods called, paths given to calls: ``""`` for ``self``
     itself) of the fields of the locals named ``selves`` in ``code`` (not its nested
-    code objects)."""
+    code objects); in a comprehension's code, ``iterated`` (:func:`comprehensions`)
+    says what its loop's variable stands for."""
     if not selves:
         return set(), set(), set()
     instructions = list(dis.get_instructions(code))
-    loads = _attribute_loads(instructions, selves)
+    loads = _attribute_loads(instructions, selves, iterated)
     reads = _right_operands(instructions, loads) | _call_arguments(code, instructions, loads, selves) | _indices(
         instructions, loads)
     return reads, _field_calls(instructions, loads, selves), _given(instructions, loads, selves)
@@ -68,7 +72,70 @@ def label_of(path: Sequence[str]) -> str:
     return "".join(part if part == ENTRY or not at else f".{part}" for at, part in enumerate(path))
 
 
-def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...]) -> Loads:
+def comprehensions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
+                   ) -> Dict[types.CodeType, Iterated]:
+    """What each comprehension ``code`` runs loops over, by its code object: the
+    entries of a field (``[2.5 * m.count for m in self.meters]``, its ``values()``
+    or ``items()``: ``meters[*]``) or the fields a display holds (``for m in
+    (self.a, self.b)``: ``a``, ``b``).
+
+    Example
+    -------
+    >>> def f(self):
+    ...     return [2.5 * m.count for m in (self.a, self.b)], {k: v for k, v in self.d.items()}
+    >>> sorted((sorted(paths), items) for paths, items in comprehensions(f.__code__, ("self",)).values())
+    [(['a', 'b'], False), (['d[*]'], True)]
+    """
+    instructions = list(dis.get_instructions(code))
+    loads = _attribute_loads(instructions, selves, iterated)
+    found: Dict[types.CodeType, Iterated] = {}
+    for at, instruction in enumerate(instructions[:-1]):
+        if not (isinstance(instruction.argval, types.CodeType) and instruction.argval.co_name in _COMPREHENSIONS
+                and instructions[at + 1].opname == "MAKE_FUNCTION"):
+            continue
+        depth, last = 0, None
+        for index in range(at + 2, len(instructions) - 2):  # the iterable, then GET_ITER and the call
+            if instructions[index].opcode in JUMPS:
+                break
+            if instructions[index].opname == "GET_ITER" and depth == 1 and instructions[index + 1].opname == "PRECALL":
+                last = index - 1
+                break
+            depth += stack_effect(instructions[index])
+        if last is None:
+            continue
+        opname = instructions[last].opname
+        if last in loads:  # for m in self.meters
+            found[instruction.argval] = (frozenset(f"{path}{ENTRY}" for path in loads[last][1]), False)
+        elif opname == "CALL" and instructions[last - 2].opname == "LOAD_METHOD" and instructions[
+                last - 2].argval in ("values", "items") and last - 3 in loads:  # self.per_key.items()
+            found[instruction.argval] = (frozenset(f"{path}{ENTRY}" for path in loads[last - 3][1]),
+                                         instructions[last - 2].argval == "items")
+        elif opname in ("BUILD_TUPLE", "BUILD_LIST"):  # for m in (self.a, self.b)
+            depths, depth = {}, 0  # after each instruction building the display
+            for index in range(at + 2, last):
+                depth += stack_effect(instructions[index])
+                depths[index] = depth
+            held = [paths for end, (_, paths) in loads.items() if at + 1 < end < last and min(
+                depths[index] for index in range(end, last)) >= depths[end]]  # one of the display's entries
+            found[instruction.argval] = (frozenset().union(*held), False)
+    return found
+
+
+def _loop_variables(instructions: List[dis.Instruction], iterated: Iterated) -> Dict[str, FrozenSet[str]]:
+    """A comprehension's loop variable bound to what ``iterated`` says its entries are
+    (of ``items()`` pairs, the value)."""
+    paths, items = iterated
+    for at, instruction in enumerate(instructions[:-3]) if paths else ():
+        if instruction.opname == "LOAD_FAST" and instruction.argval == ".0" and instructions[
+                at + 1].opname == "FOR_ITER":
+            store = at + 2 + (items and instructions[at + 2].opname == "UNPACK_SEQUENCE") * 2
+            if instructions[store].opname == "STORE_FAST":
+                return {instructions[store].argval: paths}
+    return {}
+
+
+def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...],
+                     iterated: Iterated = (frozenset(), False)) -> Loads:
     """Index of each instruction that pushes a field of ``self`` -> (index of the load
     it starts from, the paths it may be): ``self.n``, ``self.stats.count`` and
     ``self.per_key[k].count`` (``n``, ``stats.count``, ``per_key[*].count``), or
@@ -99,7 +166,8 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         return found
     starts = {i: frozenset({""}) for i, instruction in enumerate(instructions)
               if instruction.opname in _SELF_LOADS and instruction.argval in selves}
-    aliases: Dict[str, FrozenSet[str]] = {}
+    looped = _loop_variables(instructions, iterated)  # a comprehension's: the entries of what it loops over
+    aliases: Dict[str, FrozenSet[str]] = dict(looped)
     fetched: Dict[int, FrozenSet[str]] = {}
     for _ in range(8):  # a local bound to a local bound to a field, too
         through = {i: aliases[instruction.argval] for i, instruction in enumerate(instructions)
@@ -107,7 +175,7 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         loads = chains({**starts, **fetched, **through})
         fetched = {call: frozenset(f"{path}.{name}" if path else name for path in paths)
                    for call, (_, paths, name) in _getattrs(instructions, loads, selves).items()}
-        bound: Dict[str, Set[str]] = collections.defaultdict(set)
+        bound: Dict[str, Set[str]] = collections.defaultdict(set, {name: set(paths) for name, paths in looped.items()})
         for end, (start, paths) in loads.items():
             for name, entry in _bound_to(instructions, start, end):
                 bound[name] |= {f"{path}{ENTRY}" if entry else path for path in paths}
