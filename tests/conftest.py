@@ -57,6 +57,13 @@ def no_leaked_process_group_or_env():
     assert before == after, f"test leaked environment variables: {before} -> {after}"
 
 
+def pytest_configure(config):
+    """The quick lane (``-m fast`` alone) draws fewer programs in the property tests
+    (``tests.test_operations_from_types.SHORT``); the full suite draws them all."""
+    if config.getoption("markexpr", "") == "fast":
+        os.environ["DDP_EVAL_QUICK_LANE"] = "1"
+
+
 def pytest_terminal_summary(terminalreporter):
     if POOL.started:
         terminalreporter.write_line(

@@ -15,6 +15,7 @@ import collections
 import functools
 import hashlib
 import io
+import os
 import pickle
 import re
 import types
@@ -220,7 +221,8 @@ def programs(draw, names=grammar.NAMES):
     return per_batch, owners, world_size, draw(st.booleans())
 
 
-SHORT = settings(max_examples=150, derandomize=True, deadline=None,
+QUICK_LANE = os.environ.get("DDP_EVAL_QUICK_LANE") == "1"  # -m fast alone (conftest.py)
+SHORT = settings(max_examples=60 if QUICK_LANE else 150, derandomize=True, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 LONG = settings(max_examples=2000, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
