@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddp_eval.state._c_reads import read_in_c, read_in_c_of, values_at
-from ddp_eval.state._field_flow import parts
+from ddp_eval.state._field_flow import parts, uses
 from tests.test_attribute_tracking import simulate
 
 
@@ -319,6 +319,9 @@ class PickedByCall(PerKey):
         self.late.append(2.5 * stats.count)
 
 
+_LABELS_BY_KEY = {0: "a", 1: "b"}
+
+
 class Tally:
     """An accumulator of the recipe's own that reads nothing in C itself."""
 
@@ -453,6 +456,11 @@ def test_the_scan_follows_builtins_list_displays_and_functions_held_in_container
     for how in ("function", "method", "helper"):  # what a call hands back: the container, or an entry
         assert {"per_key[*].count", "per_key.count"} <= read_in_c_of(PickedByCall(how)), how
     assert {"a.count", "b.count"} <= read_in_c(Comprehended)  # a comprehension's loop over a display of fields
+
+    def keyed(self):  # a dict's keys are not what it holds: no read of its entries
+        for key in self.per_key.keys():
+            self.late.append(_LABELS_BY_KEY[key])
+    assert uses(keyed.__code__, ("self",))[0] == set()
     assert {"by_key[*].count", "tallies[*].count"} <= read_in_c(Comprehended)
 
 

@@ -246,7 +246,7 @@ def _bound_to(instructions: List[dis.Instruction], start: int, end: int) -> List
     def at(index: int, *opnames: str) -> bool:
         return index < len(instructions) and instructions[index].opname in opnames
     method = _method_call(instructions, end) if at(end + 1, "LOAD_METHOD") and instructions[
-        end + 1].argval not in ("values", "items") else None
+        end + 1].argval not in ("values", "items", "keys") else None  # keys(): not what the value holds
     if method is not None:  # x = v.get(k): the value or one of its entries
         return _whole_or_entry(_bound_to(instructions, start, method))
     taker = _taker(instructions, end)
