@@ -504,11 +504,12 @@ def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
 
 
 @pytest.mark.fast
-def test_a_field_found_by_a_name_a_call_computes_stands_for_every_field():
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
+def test_a_field_found_by_a_name_a_call_computes_stands_for_every_field(layout):
     """``getattr(self, "SEEN".lower())``: any field may be the one read in C; those
     batches change are named as read, with what batches computed from them."""
     assert read_in_c(ComputedName) == {"{*}"} and {"seen", "correct", "weight"} <= read_in_c_of(ComputedName())
-    single, holders, merged = simulate(ComputedName, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
+    single, holders, merged = simulate(ComputedName, lambda h, b: h.compute_objectives(b), layout)
     assert holders[0].late != single.late and "late" in merged.assumed, merged.assumed
     assert "batches read ['correct', 'seen']" in merged.assumed["late"], merged.assumed["late"]
 
@@ -520,11 +521,12 @@ class Described(Held):
 
 
 @pytest.mark.fast
-def test_a_value_named_in_part_is_named_whole():
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
+def test_a_value_named_in_part_is_named_whole(layout):
     """A read of ``stats.count`` that gives another answer on a rank names
     ``stats['count']``; what the same batch computed into ``stats.means`` differs
     too, so ``stats`` itself is named, not only that field."""
-    single, holders, merged = simulate(Described, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
+    single, holders, merged = simulate(Described, lambda h, b: h.compute_objectives(b), layout)
     differs = {name for name, want in vars(single).items() if _plain(getattr(holders[0], name)) != _plain(want)}
     assert {"stats", "late"} <= differs and differs <= set(merged.assumed), (differs, sorted(merged.assumed))
 

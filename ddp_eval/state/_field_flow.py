@@ -47,7 +47,7 @@ _COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 
 
-def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: "Iterated" = (frozenset(), False)
+def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
          ) -> Tuple[Set[str], Calls, Set[str]]:
     """(paths read in C, methods called, paths given to calls: ``""`` for ``self``
     itself) of the fields of the locals named ``selves`` in ``code`` (not its nested
@@ -86,6 +86,8 @@ def comprehensions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
     >>> sorted((sorted(paths), items) for paths, items in comprehensions(f.__code__, ("self",)).values())
     [(['a', 'b'], False), (['d[*]'], True)]
     """
+    if not any(isinstance(c, types.CodeType) and c.co_name in _COMPREHENSIONS for c in code.co_consts):
+        return {}
     instructions = list(dis.get_instructions(code))
     loads = _attribute_loads(instructions, selves, iterated)
     found: Dict[types.CodeType, Iterated] = {}
