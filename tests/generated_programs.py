@@ -27,6 +27,7 @@ import dataclasses
 import fractions
 import functools
 import io
+import math
 import random
 import types
 import warnings
@@ -286,6 +287,8 @@ class Brain:
         self.s_meters, self.d_count, self.f_count, self.handlers = [Meter()], 0, 0, {0: _count_by_handler}
         self.p_meters, self.g_meters = {0: Meter(), 1: Meter()}, {0: Meter(), 1: Meter()}
         self.q_a, self.q_b = Count(), Count()  # read in C by a comprehension over a tuple of them
+        self.m_a, self.m_b, self.r_meter = Count(), Count(), Count()  # by a lambda given to map, a nested def
+        self.v_weight, self.v_count, self.x_count = 2, 0, 0  # in displays, after a constant
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -337,6 +340,20 @@ class Brain:
         elif read == "comprehension":
             self.q_a.count += 1
             self.c_reads.append([2.5 * t.count for t in (self.q_a, self.q_b)][0])
+        elif read == "map":
+            self.m_b.count += 1
+            self.c_reads.append(sum(map(lambda t: 2.5 * t.count, (self.m_a, self.m_b))))
+        elif read == "nested def":
+            def rate(meter):
+                return 2.5 * meter.count
+            self.r_meter.count += 1
+            self.c_reads.append(rate(self.r_meter))
+        elif read == "display values":
+            self.v_count += 1
+            self.c_reads.append(sum(1.5 * v for v in {"w": self.v_weight, "n": self.v_count}.values()))
+        elif read == "product of a display":
+            self.x_count += 1
+            self.c_reads.append(math.prod((2.5, self.x_count)))
         elif read in ("picked", "got"):  # what a call or the dict's own method hands back: one of its entries
             meter = _pick_meter(self.p_meters, b) if read == "picked" else self.g_meters.get(b % 2)
             meter.count += 1
@@ -363,7 +380,11 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C through a list display": "display", "read in C by a function held in a dict": "handler",
     "read in C of what a function given a dict hands back": "picked",
     "read in C of what a dict's get hands back": "got",
-    "read in C in a comprehension over a tuple of objects": "comprehension"}
+    "read in C in a comprehension over a tuple of objects": "comprehension",
+    "read in C by a lambda given to map with a tuple of objects": "map",
+    "read in C by a nested function given an object": "nested def",
+    "read in C of a dict display's values": "display values",
+    "read in C by C code given a tuple display": "product of a display"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

@@ -11,7 +11,10 @@ self.a, self.b``, ``x = self.a if c else self.b``, ``for m in self.meters``,
 ``for m in sorted(self.meters)``, ``x = [self.a][0]``; what a call given one or a
 method of its own hands back, taken for the field and for each of its entries:
 ``m = pick(self.meters, k)``, ``m = self.meters.get(k)``; a comprehension's
-variable: ``[2.5 * m.count for m in (self.a, self.b)]``) read
+variable: ``[2.5 * m.count for m in (self.a, self.b)]``; a display holding
+one: ``math.prod((2.5, self.n))``; a parameter of a ``lambda`` or nested
+``def`` given with one or given one: ``map(lambda m: 2.5 * m.count, (self.a,
+self.b))``) read
 as the right operand of an arithmetic
 operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and
@@ -33,8 +36,9 @@ on the entries of its dicts and lists, and the objects called
 (``getattr(self, f"_update_{stage}")(x)``: each method of the recipe's own whose
 name fits ``_update_*``) or in a container (``self.handlers[stage](self, x)``: each
 function, bound method of the Brain's or callable object of the recipe's own held
-there). What is reached otherwise (a callback, a library's code)
-is not. Such a read is taken as a
+there). A function of the recipe's given a field more than four calls deep
+counts as reading it, and each field it holds, in C. What is reached otherwise (a
+library's code) is not. Such a read is taken as a
 read of the value whole: if batches change the value, it is named with what they
 may have computed from it. The same walk (:func:`reach`) tells which objects the
 batch code runs methods of and which globals it names, for
@@ -65,7 +69,17 @@ import sys
 import types
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ddp_eval.state._field_flow import CALLED, ENTRY, Iterated, comprehensions, label_of, parts, uses
+from ddp_eval.state._field_flow import (
+    ANY,
+    CALLED,
+    ENTRY,
+    Iterated,
+    comprehensions,
+    label_of,
+    parts,
+    passed_functions,
+    uses,
+)
 
 BATCH_METHODS = ("evaluate_batch", "compute_forward", "compute_objectives")
 _STAGE_HOOKS = ("on_stage_start", "on_stage_end", "on_evaluate_start", "on_fit_start")  # not batch code
@@ -171,7 +185,7 @@ def _as_given(reads: Iterable[str], calls: Iterable[Tuple[Tuple[str, ...], str]]
     """A function's ``reads`` and ``calls`` of its parameters, as paths of the values
     ``given`` to it (``""``: the owner itself)."""
     return ({label_of((*parts(path), *parts(read))) for path in given for read in reads},
-            {((*parts(path), *fields), method) for path in given for fields, method in calls})
+            {(parts(label_of((*parts(path), *fields))), method) for path in given for fields, method in calls})
 
 
 def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
@@ -295,7 +309,15 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
-        for module_function in _module_functions(instructions, function.__globals__) if depth else ():
+        for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
+            parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
+            for inner, looped in _with_nested(nested, parameters):
+                found, called = _as_given(*uses(inner, parameters, looped)[:2], passed)
+                reads, calls = reads | found, calls | called
+        for module_function in _module_functions(instructions, function.__globals__):
+            if not depth:  # deeper than the scan goes: what it is given counts as read in C, field by field
+                reads |= {f"{path}{below}" for path in given for below in ("", f".{ANY}", ENTRY, f"{ENTRY}.{ANY}")}
+                continue
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
             found, called, more, _ = _scan_function(module_function, parameters if given else (), depth - 1)
             named |= more

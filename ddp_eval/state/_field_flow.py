@@ -31,6 +31,7 @@ from ddp_eval.state._select import JUMPS, choice_at, stack_effect
 
 ENTRY = "[*]"  # in a path: any entry of a container
 ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: any whose name matches
+HELD = "[^]"  # in a path: a display holding the value (``(self.a, self.b)``: ``a[^]``); ``a[^][*]`` is ``a``
 CALLED = "()"  # as a method's name: the value itself is called (``self.handlers[k](x)``)
 _OPERATORS = ("BINARY_OP", "COMPARE_OP")
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
@@ -39,6 +40,7 @@ _CALLS = ("PRECALL", "CALL", "CALL_FUNCTION_EX")
 _TWO_IN = ("BINARY_OP", "COMPARE_OP", "BINARY_SUBSCR", "CONTAINS_OP", "IS_OP")  # take two, give one
 _KEEPING = ("JUMP_IF_TRUE_OR_POP", "JUMP_IF_FALSE_OR_POP")  # a jump that keeps the value it tests
 _DISPLAYS = ("BUILD_LIST", "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP")
+_HOLDING = (*_DISPLAYS, "BUILD_SET")  # a display holding the values it takes
 _PASSING_ENTRY = ("max", "min", "next")  # given one container (and keywords): return one of its entries
 _PASSING = ("sorted", "list", "tuple", "reversed", "iter", "set", "frozenset", "filter", *_PASSING_ENTRY)
 Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (where its load starts, its paths)
@@ -59,17 +61,78 @@ def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (fr
     loads = _attribute_loads(instructions, selves, iterated)
     reads = _right_operands(instructions, loads) | _call_arguments(code, instructions, loads, selves) | _indices(
         instructions, loads)
-    return reads, _field_calls(instructions, loads, selves), _given(instructions, loads, selves)
+    return {plain(path) for path in reads}, _field_calls(instructions, loads, selves), _given(
+        instructions, loads, selves)
+
+
+def passed_functions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
+                     ) -> Dict[types.CodeType, FrozenSet[str]]:
+    """What the parameters of each function ``code`` makes (a ``lambda``, a nested
+    ``def``) may stand for, by its code object: the fields given with it to the call
+    it is given to (``map(lambda m: 2.5 * m.count, (self.a, self.b))``: ``a``, ``b``),
+    or given to it where a local holding it is called (``def score(m): ...``, then
+    ``score(self.a)``); else every field ``code`` gives to a call. Each stands for
+    the field and for its entries (``sorted(self.meters, key=lambda m: ...)``).
+
+    Example
+    -------
+    >>> def f(self):
+    ...     return list(map(lambda m: 2.5 * m.count, (self.a, self.b)))
+    >>> [sorted({plain(path) for path in paths}) for paths in passed_functions(f.__code__, ("self",)).values()]
+    [['a', 'a[*]', 'b']]
+    """
+    nested = [constant for constant in code.co_consts
+              if isinstance(constant, types.CodeType) and constant.co_name not in _COMPREHENSIONS]
+    if not nested or not selves:
+        return {}
+    instructions = list(dis.get_instructions(code))
+    loads = _attribute_loads(instructions, selves, iterated)
+    taken = {end: _taker(instructions, end) for end in loads}
+
+    def given_at(site: int) -> Set[str]:
+        return {path for end, (_, paths) in loads.items() if taken[end] == site for path in paths}
+    everywhere = {path for end, (_, paths) in loads.items() if taken[end] is not None
+                  and _is_argument(instructions, taken[end]) for path in paths}
+    found: Dict[types.CodeType, FrozenSet[str]] = {}
+    for at, instruction in enumerate(instructions[:-1]):
+        if not any(instruction.argval is code for code in nested) or instructions[at + 1].opname != "MAKE_FUNCTION":
+            continue
+        taker = _taker(instructions, at + 1)
+        if taker is not None and _is_argument(instructions, taker):  # map(lambda m: ..., v)
+            paths = given_at(taker)
+        elif taker is not None and instructions[taker].opname in ("STORE_FAST", "STORE_DEREF"):  # def f(m): ...
+            name = instructions[taker].argval
+            calls = [_taker(instructions, index) for index, load in enumerate(instructions)
+                     if load.opname in _SELF_LOADS and load.argval == name]
+            paths = set().union(*(given_at(call - 1) for call in calls if call is not None and _is_callable(
+                instructions, call) and instructions[call].opname == "CALL"))
+        else:
+            paths = everywhere
+        found[instruction.argval] = frozenset(paths | {f"{path}{ENTRY}" for path in paths})
+    return found
 
 
 def parts(label: str) -> Tuple[str, ...]:
     """``per_key[*].count`` -> ``("per_key", "[*]", "count")``."""
-    return tuple(re.findall(r"\[\*\]|[^.\[\]]+", label))
+    return tuple(re.findall(r"\[\*\]|\[\^\]|[^.\[\]]+", label))
 
 
 def label_of(path: Sequence[str]) -> str:
-    """:func:`parts` undone."""
-    return "".join(part if part == ENTRY or not at else f".{part}" for at, part in enumerate(path))
+    """:func:`parts` undone, :func:`plain`."""
+    return plain("".join(part if part in (ENTRY, HELD) or not at else f".{part}" for at, part in enumerate(path)))
+
+
+def plain(label: str) -> str:
+    """``label`` without the displays its value passed through: an entry of a display
+    holding ``a`` (``a[^][*]``) is ``a``, and so, for what C code given it reads, is
+    the display (``a[^]``)."""
+    return _entries_taken(label).replace(HELD, "")
+
+
+def _entries_taken(label: str) -> str:
+    while HELD + ENTRY in label:
+        label = label.replace(HELD + ENTRY, "")
+    return label
 
 
 def comprehensions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
@@ -105,21 +168,12 @@ def comprehensions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
             depth += stack_effect(instructions[index])
         if last is None:
             continue
-        opname = instructions[last].opname
-        if last in loads:  # for m in self.meters
-            found[instruction.argval] = (frozenset(f"{path}{ENTRY}" for path in loads[last][1]), False)
-        elif opname == "CALL" and instructions[last - 2].opname == "LOAD_METHOD" and instructions[
+        if last in loads:  # for m in self.meters; for m in (self.a, self.b)
+            found[instruction.argval] = (frozenset(_entries_taken(f"{path}{ENTRY}") for path in loads[last][1]), False)
+        elif instructions[last].opname == "CALL" and instructions[last - 2].opname == "LOAD_METHOD" and instructions[
                 last - 2].argval in ("values", "items") and last - 3 in loads:  # self.per_key.items()
-            found[instruction.argval] = (frozenset(f"{path}{ENTRY}" for path in loads[last - 3][1]),
+            found[instruction.argval] = (frozenset(_entries_taken(f"{path}{ENTRY}") for path in loads[last - 3][1]),
                                          instructions[last - 2].argval == "items")
-        elif opname in ("BUILD_TUPLE", "BUILD_LIST"):  # for m in (self.a, self.b)
-            depths, depth = {}, 0  # after each instruction building the display
-            for index in range(at + 2, last):
-                depth += stack_effect(instructions[index])
-                depths[index] = depth
-            held = [paths for end, (_, paths) in loads.items() if at + 1 < end < last and min(
-                depths[index] for index in range(end, last)) >= depths[end]]  # one of the display's entries
-            found[instruction.argval] = (frozenset().union(*held), False)
     return found
 
 
@@ -175,6 +229,7 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         through = {i: aliases[instruction.argval] for i, instruction in enumerate(instructions)
                    if instruction.opname == "LOAD_FAST" and instruction.argval in aliases}
         loads = chains({**starts, **fetched, **through})
+        loads = {**_displays(instructions, loads), **loads}
         fetched = {call: frozenset(f"{path}.{name}" if path else name for path in paths)
                    for call, (_, paths, name) in _getattrs(instructions, loads, selves).items()}
         bound: Dict[str, Set[str]] = collections.defaultdict(set, {name: set(paths) for name, paths in looped.items()})
@@ -185,6 +240,55 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
             return loads
         aliases = {name: frozenset(paths) for name, paths in bound.items()}
     return loads
+
+
+def _displays(instructions: List[dis.Instruction], loads: Loads) -> Loads:
+    """Each list, tuple, set or dict display holding fields (``(self.a, self.b)``,
+    ``{"n": self.n}``), but one subscripted at once (``[self.a][0]``, followed as
+    ``a``): index of its build -> (where its build starts, the fields' paths as held
+    by it: ``a[^]``, ``b[^]``)."""
+    held: Dict[int, Set[str]] = collections.defaultdict(set)
+    for end, (_, paths) in loads.items():
+        display = _holder(instructions, end)
+        if display is not None:
+            held[display] |= {f"{path}{HELD}" for path in paths}
+    found = {}
+    for display, paths in held.items():
+        start = _start_of(instructions, display)
+        taker, above = _take(instructions, display)
+        if start is not None and display not in loads and not (
+                taker is not None and instructions[taker].opname == "BINARY_SUBSCR" and above == 2):
+            found[display] = (start, frozenset(paths))
+    return found
+
+
+def _holder(instructions: List[dis.Instruction], end: int) -> Optional[int]:
+    """The index of the display that takes the value pushed at ``end``, if one does
+    before it is taken otherwise."""
+    above = 1
+    for index in range(end + 1, len(instructions)):
+        instruction = instructions[index]
+        if instruction.opcode in JUMPS:
+            return None
+        if instruction.opname in _HOLDING and 1 - stack_effect(instruction) >= above:
+            return index
+        above += stack_effect(instruction)
+        if above <= 0 or index == _taker(instructions, end):
+            return None
+    return None
+
+
+def _start_of(instructions: List[dis.Instruction], display: int) -> Optional[int]:
+    """The index of the first instruction building what ``display`` takes (None
+    across a jump)."""
+    taken, pushed = 1 - stack_effect(instructions[display]), 0
+    for index in range(display - 1, -1, -1):
+        if instructions[index].opcode in JUMPS:
+            return None
+        pushed += stack_effect(instructions[index])
+        if pushed >= taken:
+            return index
+    return None
 
 
 def _in_literal(instructions: List[dis.Instruction], end: int, taker: int) -> bool:
@@ -401,13 +505,15 @@ def _field_calls(instructions: List[dis.Instruction], loads: Loads, selves: Tupl
     ``getattr(self, name)(x)`` gives ``((), ANY)``; ``self.handlers[k](x)`` and ``f =
     self.fn; f(x)`` give ``(("handlers", "[*]"), CALLED)`` and ``(("fn",), CALLED)``."""
     fetching = _getattrs(instructions, loads, selves)
-    called = {(parts(path), instructions[end + 1].argval) for end, paths in _pushed(instructions, loads, selves).items()
+    called = {(path, instructions[end + 1].argval) for end, paths in _pushed(instructions, loads, selves).items()
               for path in paths if end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_METHOD"}
-    called |= {(parts(path), CALLED) for end, (_, paths) in loads.items() if end not in fetching
+    called |= {(path, CALLED) for end, (_, paths) in loads.items() if end not in fetching
                and (taker := _taker(instructions, end)) is not None and _is_callable(instructions, taker)
                for path in paths}
-    return called | {(parts(path), name) for at, paths, name in fetching.values()
-                     if at and instructions[at - 1].opname == "PUSH_NULL" for path in paths}  # getattr(self, name)(x)
+    called |= {(path, name) for at, paths, name in fetching.values()
+               if at and instructions[at - 1].opname == "PUSH_NULL" for path in paths}  # getattr(self, name)(x)
+    return {(parts(plain(path)), name) for path, name in called
+            if not _entries_taken(path).endswith(HELD)}  # not a display's own ({"n": self.n}.values())
 
 
 def _is_callable(instructions: List[dis.Instruction], taker: int) -> bool:
