@@ -434,6 +434,19 @@ class Handlers(Held):
         self.stats.update(b)
 
 
+class BoundHandlers(Counting):
+    """A bound method of an object the Brain holds, called out of a dict (not the
+    Brain's own): its object's method is scanned at that object's place."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats, self.per_key = RunningMean(), {0: RunningMean()}
+        self.on_batch = {"stats": self.stats.update, "per_key": self.per_key[0].update}
+
+    def _progress(self, b):
+        self.on_batch["stats" if b % 2 else "per_key"](b)
+
+
 def _plain(value):
     """An object of the recipe's own as its fields, to compare by value."""
     if isinstance(value, (dict, list)):
@@ -515,6 +528,7 @@ def test_the_scan_follows_builtins_list_displays_and_functions_held_in_container
     reads = read_in_c(ThroughDisplays, ("_progress",))  # each form's: seen, a and b's counts, by_key's entries'
     assert {"weight", "seen", "a.count", "b.count", "by_key[*].count"} <= reads, reads
     assert "a.count" in read_in_c_of(Deep())
+    assert {"stats.count", "stats.total", "per_key[*].count", "per_key[*].total"} <= read_in_c_of(BoundHandlers())
 
 
 @pytest.mark.fast

@@ -124,6 +124,11 @@ def test_a_read_through_another_place_sees_the_batches_appends_or_is_named(place
         assert brains[0].sizes == single.sizes  # one process: what plain Python computes
     else:
         assert brains[0].sizes != single.sizes and "sizes" in merged.assumed, merged.assumed
+        where = {"hparams_dict": "hparams.lists['data']['ids']", "hparams_list": "hparams.groups[0][0]",
+                 "hparams_object": "hparams.report.ids.ids", "global": "['global recipe_globals_",
+                 "recipe_dict": "HELD['data']['ids']", "partial": "size.args[0]"}.get(place, "'s variable 0")
+        assert "'ids' was also held at stage start by [" in merged.assumed["sizes"], merged.assumed["sizes"]
+        assert where in merged.assumed["sizes"], merged.assumed["sizes"]  # the place the read went through
 
 
 @pytest.mark.fast

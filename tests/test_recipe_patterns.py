@@ -282,6 +282,7 @@ def test_a_container_a_closure_also_holds_is_merged_and_its_reads_there_are_name
         assert any(g["sizes"] != w["sizes"] for g, w in zip(got, want))  # each rank's own count: no merge is right
         assert any(g["kept_sizes"] != w["kept_sizes"] for g, w in zip(got, want))
     warnings = " ".join(outs[0]["held_outside"]["warnings"])
-    assert "PAIR" not in warnings and "HELD" not in warnings, warnings  # no global named as changed outside
-    assert "hparams.lists" not in warnings and "'kept_sizes'" in warnings, warnings
+    assert "state outside the Brain" not in warnings, warnings  # no global, nor hparams' dict, named as changed
+    assert "'kept_sizes'" in warnings and "'kept' was also held at stage start by" in warnings, warnings
+    assert "hparams.lists['kept']" in warnings, warnings  # where the read that steered went through
     assert "'sizes'" in warnings and "read accumulated values in on_stage_end" in warnings, warnings

@@ -100,6 +100,12 @@ class SharedCopies:
             if of is not None and _held(place, key) is not copy:  # of None: a tuple holding copies
                 self.notes.rebound(copy, of)
 
+    def places(self) -> Dict[str, List[str]]:
+        """``{label: the other places holding it}`` of each watched container several
+        places held at stage start (``{"kept": ["hparams.lists['kept']"]}``)."""
+        return {label: sorted(set(self.notes.shared[id(copy)])) for _, copy, label in self.notes.copies.values()
+                if id(copy) in self.notes.shared}
+
     def touched(self) -> List[str]:
         """Labels of the containers several places hold that this rank's batches changed in place."""
         return sorted(label for original, copy, label in self.notes.copies.values()

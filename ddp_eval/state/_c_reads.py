@@ -156,6 +156,10 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
                         if getattr(target, "__self__", None) is owner and _the_recipes(bound):
                             pending.append((path, owner, (bound.__name__,)))  # a method of the owner's own
                             continue
+                        where = _the_recipes(bound) and _place_of(owner, target.__self__)
+                        if where:  # {"valid": self.stats.update}: the method of an object the owner holds
+                            pending.append(((*path, *where), target.__self__, (bound.__name__,)))
+                            continue
                         callback = _callback(target)
                         if callback:  # self.hparams.score(self.stats, x): as a module's function given them
                             parameters = callback.__code__.co_varnames[:callback.__code__.co_argcount
@@ -171,6 +175,20 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
                         pending.append(((*path, *held), target, (name,)))
         found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name))}
     return found, list(owners.values()), named
+
+
+def _place_of(owner: Any, held: Any) -> Optional[Tuple[str, ...]]:
+    """Where ``owner`` holds ``held``: a field (``("stats",)``), a field of a field
+    or an entry of a container field (``("per_key", "[*]")``); None if not there."""
+    fields = list(getattr(owner, "__dict__", {}).items())
+    for name, value in fields:
+        if value is held:
+            return (name,)
+    for name, value in fields:
+        for inner in (ENTRY, *getattr(value, "__dict__", ())):
+            if any(found is held for found in values_at(value, (inner,))):
+                return (name, inner)
+    return None
 
 
 def _callback(value: Any) -> Optional[types.FunctionType]:

@@ -211,6 +211,9 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     held = "".join(f"; batches changed {label!r}, which {places} also held at stage start, where ddp_eval cannot "
                    "put the copy it records through (a tuple): a batch's read there saw the stage-start contents, "
                    "unseen; hold it in a list or on the Brain instead" for label, places in sorted(unseen.items()))
+    places = {label: where for report in reports for label, where in report.get("shared_places", {}).items()}
+    held += "".join(f"; {label!r} was also held at stage start by {places[label]}, and a read through any of them "
+                    "is a read of it" for label in steering if places.get(label))
     if steering:
         why = (f"batches read {steering} when it held, on their rank, another value than one process's, and what a "
                "batch does after such a read (or leaves undone) may differ from one process: merged as each rank's "
@@ -300,7 +303,8 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         merged["read_then_set"] = read_then_set
         for key in ("whole_reads", "c_reads", "absent_reads", "shape_reads", "shared_changed", "none_reads"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
-        merged["shared_rebound"] = {**piece.get("shared_rebound", {}), **merged.get("shared_rebound", {})}
+        for key in ("shared_rebound", "shared_places"):
+            merged[key] = {**piece.get(key, {}), **merged.get(key, {})}
         merged["unseen_holders"] = {**piece.get("unseen_holders", {}), **merged.get("unseen_holders", {})}
         merged["made"] = {label: [*merged.get("made", {}).get(label, ()), *piece.get("made", {}).get(label, ())]
                           for label in {*merged.get("made", {}), *piece.get("made", {})}}
@@ -450,6 +454,7 @@ class StageBook:
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
                 "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
+                "shared_places": self.shared.places(),
                 "unseen_holders": self.shared.unseen,
                 "made": {label: list(did) for label, did in self.attributes.notes.made.items()},
                 "watched": sorted({top_label(label) for label in self.attributes.tracks} | _holders(
