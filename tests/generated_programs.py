@@ -289,6 +289,7 @@ class Brain:
         self.q_a, self.q_b = Count(), Count()  # read in C by a comprehension over a tuple of them
         self.m_a, self.m_b, self.r_meter = Count(), Count(), Count()  # by a lambda given to map, a nested def
         self.v_weight, self.v_count, self.x_count = 2, 0, 0  # in displays, after a constant
+        self.stacked = []  # a list of tensors torch.stack takes the entries of in C
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -354,6 +355,9 @@ class Brain:
         elif read == "product of a display":
             self.x_count += 1
             self.c_reads.append(math.prod((2.5, self.x_count)))
+        elif read == "stacked":
+            self.stacked.append(torch.tensor(value(b), dtype=torch.float64))
+            self.c_reads.append(float(torch.stack(self.stacked).sum()))
         elif read in ("picked", "got"):  # what a call or the dict's own method hands back: one of its entries
             meter = _pick_meter(self.p_meters, b) if read == "picked" else self.g_meters.get(b % 2)
             meter.count += 1
@@ -384,7 +388,8 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by a lambda given to map with a tuple of objects": "map",
     "read in C by a nested function given an object": "nested def",
     "read in C of a dict display's values": "display values",
-    "read in C by C code given a tuple display": "product of a display"}
+    "read in C by C code given a tuple display": "product of a display",
+    "a list of tensors torch.stack takes the entries of": "stacked"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from speechbrain.utils.metric_stats import MetricStats
 
 from ddp_eval.state._c_reads import read_in_c, read_in_c_of, values_at
 from ddp_eval.state._field_flow import parts, uses
@@ -401,6 +402,38 @@ class Deep(Comprehended):
         self.late.append(_hand_on_1(self.a))
 
 
+def _hit(predictions, targets):
+    return torch.tensor([float(p == t) for p, t in zip(predictions, targets)])
+
+
+class Stacked(Counting):
+    """A list of tensors given to C code that takes its entries without iterating it
+    (``torch.stack``): the Brain's list, through a local, a metric object's scores;
+    and lists no batch changes, or only looked at (``isinstance``), which stay unnamed."""
+
+    def __init__(self, through="attribute"):
+        super().__init__()
+        self.through, self.losses, self.weights = through, [], [torch.tensor(1.0)]
+        self.acc = MetricStats(metric=_hit)
+
+    def _progress(self, b):
+        self.losses.append(torch.tensor(float(b)))
+        self.acc.append([f"u{b}"], [b % 3], [0])
+        losses = self.losses
+        if self.through == "attribute":
+            self.late.append(float(torch.stack(self.losses).mean()))
+        elif self.through == "local":
+            self.late.append(float(torch.stack(losses).mean()))
+        else:
+            self.late.append(float(torch.stack(self.acc.scores).mean()))
+
+
+class StackedUnchanged(Stacked):
+    def _progress(self, b):  # a list no batch changes stacked, a changed one only looked at: nothing to name
+        self.losses.append(torch.tensor(float(b)))
+        self.late.append(float(torch.stack(self.weights).sum()) + isinstance(self.losses, list))
+
+
 class ComputedName(Counting):
     def _progress(self, b):  # getattr given a name a call computes: any field whose name fits
         self.late.append(2.5 * getattr(self, "SEEN".lower()))
@@ -500,8 +533,9 @@ class Subscripts:
 @pytest.mark.fast
 def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
     assert read_in_c(Unpacked) == {"correct", "seen"}
-    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g", "pairs", "others", "others[*]", "i"}
-    assert read_in_c_of(Looped()) == read_in_c_of(Enumerated()) - {"per_key"} == {"per_key[*].count",
+    assert read_in_c(Branches) == {"a", "b", "c", "d", "e", "f", "g", "pairs", "pairs[*]", "others", "others[*]",
+                                   "i"}  # pairs given to a builtin: its entries too
+    assert read_in_c_of(Looped()) == read_in_c_of(Enumerated()) - {"per_key", "per_key[*]"} == {"per_key[*].count",
                                                                                   "per_key[*].total"}
     assert read_in_c_of(Callbacks()) == {"stats", "stats.count", "stats.total"}  # stats: given, not a number
     assert read_in_c_of(CallsBack()) == {"correct", "seen"}  # the Brain's _progress, through the function
@@ -512,7 +546,8 @@ def test_the_scan_follows_locals_bound_otherwise_loops_and_code_found_by_name():
 
 @pytest.mark.fast
 def test_the_scan_follows_builtins_list_displays_and_functions_held_in_containers():
-    assert read_in_c_of(Listed()) == read_in_c_of(Picked()) == {"per_key", "per_key[*].count", "per_key[*].total"}
+    assert read_in_c_of(Listed()) == read_in_c_of(Picked()) == {"per_key", "per_key[*]", "per_key[*].count",
+                                                                "per_key[*].total"}
     assert read_in_c(Literal) == {"seen", "correct"}
     assert read_in_c_of(Handlers()) == {"correct", "seen", "stats.count", "stats.total", "meters[*].count",
                                         "meters[*].total"}  # not the callables themselves
@@ -542,7 +577,8 @@ def test_the_scan_finds_right_operands_read_in_c():
     assert read_in_c(Counting) == {"correct", "seen"}
     assert read_in_c(Steering) == {"seen"} and read_in_c(Tensors) == {"seen"}
     assert read_in_c(Constant) == {"weight"}
-    assert read_in_c(Passed) == {"seen", "correct"} and read_in_c(Extreme) == set()
+    assert read_in_c(Passed) == {"seen", "correct", "seen[*]", "correct[*]"}  # given to a library: any entries too
+    assert read_in_c(Extreme) == set()
 
 
 @pytest.mark.fast
@@ -570,6 +606,27 @@ def test_what_a_batch_computes_from_a_number_read_in_c_is_named(recipe, layout):
                and any(isinstance(value, (int, float)) for value in values_at(brain, parts(label)))}
     assert numbers <= set(ast.literal_eval(read)) <= numbers | {"per_key", "by_key", "tallies"}  # loops read whole
     assert "read accumulated values in on_stage_end" in why
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
+@pytest.mark.parametrize("through", ["attribute", "local", "metric", "unchanged"])
+def test_a_list_whose_entries_a_librarys_c_code_takes_is_read_whole(through, layout):
+    """``torch.stack(self.losses)`` reads the list's entries in C, where its recording
+    copy sees no iteration: on a rank it stacks that rank's losses only. Named, with
+    what it computed; a list no batch changes, or one only given to ``isinstance``, is not."""
+    assert {"losses[*]", "acc.scores[*]"} <= read_in_c(Stacked)
+    assert "losses[*]" not in read_in_c(StackedUnchanged) and "weights[*]" in read_in_c(StackedUnchanged)
+    recipe = StackedUnchanged if through == "unchanged" else Stacked
+    single, holders, merged = simulate(lambda: recipe(through), lambda h, b: h.compute_objectives(b), layout)
+    named = set(merged.assumed) | set(merged.conflicts)
+    differs = {name for name, want in vars(single).items()
+               if repr(_plain(getattr(holders[0], name))) != repr(_plain(want))}
+    if through == "unchanged":
+        assert not differs and not named, (differs, sorted(named))
+    else:
+        assert "late" in differs and differs <= named, (differs, sorted(named))
+        assert "batches read [" in merged.assumed["late"], merged.assumed["late"]
 
 
 @pytest.mark.fast

@@ -19,7 +19,9 @@ as the right operand of an arithmetic
 operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and
 for one passed to a call (``math.sqrt(self.total)``, ``torch.tensor(self.x)``: C
-code takes the value of a float or int subclass directly), but for the builtin
+code takes the value of a float or int subclass directly; given to a library's
+function, its entries too: ``torch.stack(self.losses)`` takes a list's tensors
+without iterating it, ``losses[*]``), but for the builtin
 ``max`` or ``min`` the merge replays as a choice, or used as the index of a
 container that is not watched (``LABELS[self.n]``); the instructions are
 followed by :mod:`ddp_eval.state._field_flow`.
@@ -56,9 +58,10 @@ Example
 ...     def on_stage_end(self, stage, loss, epoch):
 ...         self.acc = 100.0 * self.correct / self.seen  # after the merge: not a batch's read
 >>> sorted(read_in_c(Recipe))
-['correct', 'seen', 'squares']
+['correct', 'seen', 'squares', 'squares[*]']
 """
 
+import builtins
 import collections
 import dis
 import fnmatch
@@ -75,6 +78,7 @@ from ddp_eval.state._field_flow import (
     ENTRY,
     Iterated,
     comprehensions,
+    given_to_globals,
     label_of,
     parts,
     passed_functions,
@@ -327,6 +331,8 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
+        reads |= {f"{path}{ENTRY}" for names, path in given_to_globals(code, selves, iterated)
+                  if _takes_entries_in_c(_resolve(names, function.__globals__))}  # torch.stack(self.losses)
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
             for inner, looped in _with_nested(nested, parameters):
@@ -342,6 +348,28 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
             found, called = _as_given(found, called, given)
             reads, calls = reads | found, calls | called
     return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives)
+
+
+_NOT_READING = (isinstance, issubclass, id, type, hasattr, getattr, setattr, callable)  # of a value's entries
+
+
+def _resolve(names: Sequence[str], globals_: Dict[str, Any]) -> Any:
+    """What ``names`` (a global, then attributes: ``("torch", "stack")``) load, or None."""
+    value = globals_.get(names[0], getattr(builtins, names[0], None))
+    for name in names[1:]:
+        value = getattr(value, name, None) if isinstance(value, types.ModuleType) else None
+    return value
+
+
+def _takes_entries_in_c(function: Any) -> bool:
+    """Whether ``function``, given a list, may take its entries in C without iterating
+    it (``torch.stack``, ``numpy.concatenate``: a recording copy sees no read): a
+    library's (Python's own, torch, NumPy, SpeechBrain) callable, but those that only
+    look at the value itself (``isinstance``, ``id``)."""
+    if function is None or _the_recipes(function) or any(function is other for other in _NOT_READING):
+        return False
+    return (getattr(function, "__module__", None) or type(function).__module__ or "").split(".")[0] in {
+        *LIBRARIES, "builtins"}
 
 
 def _with_nested(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)

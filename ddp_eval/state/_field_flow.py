@@ -65,6 +65,38 @@ def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (fr
         instructions, loads, selves)
 
 
+def given_to_globals(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
+                     ) -> Set[Tuple[Tuple[str, ...], str]]:
+    """(the names that load a call's callable from a global, ``("torch", "stack")``;
+    the path of a field given to it) of each field ``code`` gives to such a call.
+
+    Example
+    -------
+    >>> def f(self):
+    ...     return torch.stack(self.losses).mean() + len(self.ids)
+    >>> sorted(given_to_globals(f.__code__, ("self",)))
+    [(('len',), 'ids'), (('torch', 'stack'), 'losses')]
+    """
+    instructions = list(dis.get_instructions(code))
+    found = set()
+    for end, (start, paths) in _attribute_loads(instructions, selves, iterated).items():
+        taker = _taker(instructions, end)
+        if taker is None or not _is_argument(instructions, taker) or _is_choice(code, instructions, taker):
+            continue  # min(s, self.low) stored back: a choice the merge replays
+        call = taker + 1 if instructions[taker].opname == "PRECALL" else taker
+        callee = next((i for i in range(start - 1, -1, -1) if instructions[i].opname in (
+            "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD") and _taker(instructions, i) == call), None)
+        root = callee
+        while root and instructions[root].opname != "LOAD_GLOBAL" and instructions[root - 1].opname in (
+                "LOAD_GLOBAL", "LOAD_ATTR"):
+            root -= 1  # torch.nn.functional.pad: from the global
+        if root is None or instructions[root].opname != "LOAD_GLOBAL":
+            continue
+        names = tuple(instruction.argval for instruction in instructions[root:callee + 1])
+        found |= {(names, plain(path)) for path in paths}
+    return found
+
+
 def passed_functions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
                      ) -> Dict[types.CodeType, FrozenSet[str]]:
     """What the parameters of each function ``code`` makes (a ``lambda``, a nested

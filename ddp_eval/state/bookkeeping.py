@@ -42,6 +42,9 @@ Example
 import pickle
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
+import torch
+
 from ddp_eval.state._aliases import SharedCopies
 from ddp_eval.state._attributes import AttributeTracker, resolve, top_label
 from ddp_eval.state._c_reads import read_in_c_of, values_at
@@ -164,6 +167,7 @@ def _name_places_bound_apart(result: MergeResult, reports: Sequence[Mapping[str,
 # what C code reads without a method of the value: a number's, a string's or a tuple's
 # value, a set's entries (a list's and a dict's C readers iterate them: seen)
 _READ_IN_C = (int, float, str, bytes, tuple, set, frozenset)
+_ARRAYS = (torch.Tensor, np.ndarray)  # a list's entries a library's C code takes without iterating it
 
 NAME_WHAT_READS_STEER = True  # tests switch it off to show that it matters
 SCAN_C_READS = True  # as this one
@@ -204,6 +208,7 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
                        - set(steering))
+    steering = [label for label in steering if not (label.endswith(ENTRY) and label[:-len(ENTRY)] in steering)]
     unseen = {label: places for report in reports for label, places in report.get("unseen_holders", {}).items()
               if label in changed}  # a read through a tuple holding it: the stage-start contents, unseen
     outside = sorted({label for report in reports for label in report.get("outside", ())  # a module learning:
@@ -469,7 +474,8 @@ class StageBook:
             return set()
         tracks = self.attributes.tracks
         return {label for label in read_in_c_of(self.brain) if of_a_module(label.split(ENTRY)[0], tracks)
-                and any(isinstance(value, _READ_IN_C) for value in values_at(self.brain, parts(label)))}
+                and any(isinstance(value, _READ_IN_C) or (label.endswith(ENTRY) and isinstance(value, _ARRAYS))
+                        for value in values_at(self.brain, parts(label)))}  # torch.stack(self.losses): losses[*]
 
     def finish_alone(self, positions: Sequence[int]) -> None:
         """One process that evaluated every batch: probes out, nothing to merge."""
