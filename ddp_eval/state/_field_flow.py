@@ -127,7 +127,7 @@ def passed_functions(code: types.CodeType, selves: Tuple[str, ...], iterated: It
                   and _is_argument(instructions, taken[end]) for path in paths}
     found: Dict[types.CodeType, FrozenSet[str]] = {}
     for at, instruction in enumerate(instructions[:-1]):
-        if not any(instruction.argval is code for code in nested) or instructions[at + 1].opname != "MAKE_FUNCTION":
+        if not any(instruction.argval is made for made in nested) or instructions[at + 1].opname != "MAKE_FUNCTION":
             continue
         taker = _taker(instructions, at + 1)
         if taker is not None and _is_argument(instructions, taker):  # map(lambda m: ..., v)
@@ -297,7 +297,7 @@ def _displays(instructions: List[dis.Instruction], loads: Loads) -> Loads:
 def _holder(instructions: List[dis.Instruction], end: int) -> Optional[int]:
     """The index of the display that takes the value pushed at ``end``, if one does
     before it is taken otherwise."""
-    above = 1
+    above, taker = 1, _taker(instructions, end)
     for index in range(end + 1, len(instructions)):
         instruction = instructions[index]
         if instruction.opcode in JUMPS:
@@ -305,7 +305,7 @@ def _holder(instructions: List[dis.Instruction], end: int) -> Optional[int]:
         if instruction.opname in _HOLDING and 1 - stack_effect(instruction) >= above:
             return index
         above += stack_effect(instruction)
-        if above <= 0 or index == _taker(instructions, end):
+        if above <= 0 or index == taker:
             return None
     return None
 
