@@ -27,7 +27,9 @@ import dataclasses
 import fractions
 import functools
 import io
+import json
 import math
+import operator
 import random
 import types
 import warnings
@@ -290,6 +292,7 @@ class Brain:
         self.m_a, self.m_b, self.r_meter = Count(), Count(), Count()  # by a lambda given to map, a nested def
         self.v_weight, self.v_count, self.x_count = 2, 0, 0  # in displays, after a constant
         self.stacked = []  # a list of tensors torch.stack takes the entries of in C
+        self.j_tally, self.o_tally = Count(), Count()  # fields a library's function reads in C
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -355,6 +358,12 @@ class Brain:
         elif read == "product of a display":
             self.x_count += 1
             self.c_reads.append(math.prod((2.5, self.x_count)))
+        elif read == "vars":
+            self.j_tally.count += 1
+            self.c_reads.append(json.dumps(vars(self.j_tally)))
+        elif read == "attrgetter":
+            self.o_tally.count += 1
+            self.c_reads.append(2.5 * operator.attrgetter("count")(self.o_tally))
         elif read == "stacked":
             self.stacked.append(torch.tensor(value(b), dtype=torch.float64))
             self.c_reads.append(float(torch.stack(self.stacked).sum()))
@@ -389,7 +398,9 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by a nested function given an object": "nested def",
     "read in C of a dict display's values": "display values",
     "read in C by C code given a tuple display": "product of a display",
-    "a list of tensors torch.stack takes the entries of": "stacked"}
+    "a list of tensors torch.stack takes the entries of": "stacked",
+    "an object's fields json.dumps(vars(o)) reads in C": "vars",
+    "read in C by a callable a library's call makes": "attrgetter"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

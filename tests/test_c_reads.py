@@ -7,6 +7,7 @@ import ast
 import functools
 import json
 import math
+import operator
 import types
 
 import pytest
@@ -577,7 +578,8 @@ def test_the_scan_finds_right_operands_read_in_c():
     assert read_in_c(Counting) == {"correct", "seen"}
     assert read_in_c(Steering) == {"seen"} and read_in_c(Tensors) == {"seen"}
     assert read_in_c(Constant) == {"weight"}
-    assert read_in_c(Passed) == {"seen", "correct", "seen[*]", "correct[*]"}  # given to a library: any entries too
+    assert read_in_c(Passed) == {"seen", "correct", "seen.**", "correct.**"}  # given to a library: what they hold too
+    assert read_in_c_of(Passed()) == {"seen", "correct"}  # numbers hold nothing
     assert read_in_c(Extreme) == set()
 
 
@@ -615,8 +617,8 @@ def test_a_list_whose_entries_a_librarys_c_code_takes_is_read_whole(through, lay
     """``torch.stack(self.losses)`` reads the list's entries in C, where its recording
     copy sees no iteration: on a rank it stacks that rank's losses only. Named, with
     what it computed; a list no batch changes, or one only given to ``isinstance``, is not."""
-    assert {"losses[*]", "acc.scores[*]"} <= read_in_c(Stacked)
-    assert "losses[*]" not in read_in_c(StackedUnchanged) and "weights[*]" in read_in_c(StackedUnchanged)
+    assert {"losses.**", "acc.scores.**"} <= read_in_c(Stacked)
+    assert "losses.**" not in read_in_c(StackedUnchanged) and "weights.**" in read_in_c(StackedUnchanged)
     recipe = StackedUnchanged if through == "unchanged" else Stacked
     single, holders, merged = simulate(lambda: recipe(through), lambda h, b: h.compute_objectives(b), layout)
     named = set(merged.assumed) | set(merged.conflicts)
@@ -638,6 +640,151 @@ def test_a_field_found_by_a_name_a_call_computes_stands_for_every_field(layout):
     single, holders, merged = simulate(ComputedName, lambda h, b: h.compute_objectives(b), layout)
     assert holders[0].late != single.late and "late" in merged.assumed, merged.assumed
     assert "batches read ['correct', 'seen']" in merged.assumed["late"], merged.assumed["late"]
+
+
+class Plain:
+    """An accumulator of the recipe's own whose method reads nothing."""
+
+    def __init__(self):
+        self.count, self.total = 0, 0
+
+    def update(self, b):
+        self.count += 1
+        self.total += b
+
+
+class Inner:
+    def __init__(self):
+        self.inner = Plain()
+
+
+def _down_1(outer):  # the recipe's functions handing on what they are given, the last reading two objects below
+    return _down_2(outer)
+
+
+def _down_2(outer):
+    return _down_3(outer)
+
+
+def _down_3(outer):
+    return _down_4(outer)
+
+
+def _down_4(outer):
+    return _down_5(outer)
+
+
+def _down_5(outer):
+    return 2.5 * outer.inner.count
+
+
+class FieldsInC(Counting):
+    """A library's function given an object reads its numbers in C: ``vars``, then
+    ``json.dumps``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats, self.config, self.outer = Plain(), Plain(), Inner()
+
+    def _progress(self, b):
+        self.stats.update(b)
+        self.outer.inner.update(b)
+        self._read(b)
+
+    def _read(self, b):
+        self.late.append(json.dumps(vars(self.stats)))
+
+
+class DictInC(FieldsInC):
+    def _read(self, b):  # its __dict__
+        self.late.append(json.dumps(self.stats.__dict__))
+
+
+class GetterInC(FieldsInC):
+    def _read(self, b):  # a callable a library's call makes
+        self.late.append(2.5 * operator.attrgetter("count")(self.stats))
+
+
+class DeepInC(FieldsInC):
+    def _read(self, b):  # five calls down, a number two objects below the value given
+        self.late.append(_down_1(self.outer))
+
+
+class NestedInC(FieldsInC):
+    def _read(self, b):  # what the value's fields hold, read in C
+        self.late.append(json.dumps(vars(self.outer), default=vars))
+
+
+class Dumped(Plain):
+    def dump(self):  # an object of the recipe's own giving itself to a library's function
+        return json.dumps(vars(self))
+
+
+class SelfInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.stats = Dumped()
+
+    def _read(self, b):
+        self.late.append(self.stats.dump())
+
+
+class LocalInC(FieldsInC):
+    def _read(self, b):  # through a local bound to a library's function
+        dump = json.dumps
+        self.late.append(dump(self.stats.__dict__))
+
+
+class MethodInC(FieldsInC):
+    def _read(self, b):  # a method of what a library's call makes
+        self.late.append(json.JSONEncoder(default=vars).encode(self.stats))
+
+
+class HeldInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.hparams = types.SimpleNamespace(dump=functools.partial(json.dumps, default=vars))  # !name:json.dumps
+
+    def _read(self, b):  # a library's function hparams hold
+        self.late.append(self.hparams.dump(self.stats))
+
+
+class UnchangedInC(FieldsInC):
+    def _read(self, b):  # a library reads fields no batch changes; an object only iterated
+        self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
+
+
+class CheckedOnly(FieldsInC):
+    def _read(self, b):
+        self.late.append(isinstance(self.stats, Plain))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
+@pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, LocalInC, MethodInC,
+                                    HeldInC, UnchangedInC, CheckedOnly])
+def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
+    """``json.dumps(vars(self.stats))`` reads ``stats.count`` in C, where no probe sees:
+    on a rank it reads that rank's count. Named, with what it computed, however the
+    library's function is found (a global, a call's product, a local, ``hparams``),
+    five calls down, two objects below; fields no batch changes, an object given to
+    ``isinstance`` or only iterated, are not."""
+    reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
+             UnchangedInC: {"config.count", "config.total"},
+             CheckedOnly: set()}.get(recipe, {"stats.count", "stats.total"})
+    brain = recipe()
+    found = {label for label in read_in_c_of(brain) if label not in ("seen", "correct") and any(
+        isinstance(value, (int, float)) for value in values_at(brain, parts(label)))}  # the numbers read
+    assert found == reads, found
+    single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), layout)
+    named = set(merged.assumed) | set(merged.conflicts)
+    differs = {name for name, want in vars(single).items()
+               if repr(_plain(getattr(holders[0], name))) != repr(_plain(want))}
+    if recipe in (UnchangedInC, CheckedOnly):
+        assert not differs and not named, (differs, sorted(named))
+    else:
+        assert "late" in differs and differs <= named, (differs, sorted(named))
+        assert "batches read [" in merged.assumed["late"], merged.assumed["late"]
 
 
 class Described(Held):

@@ -144,7 +144,9 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
                                        "read in C by a nested function given an object",
                                        "read in C of a dict display's values",
                                        "read in C by C code given a tuple display",
-                                       "a list of tensors torch.stack takes the entries of"])
+                                       "a list of tensors torch.stack takes the entries of",
+                                       "an object's fields json.dumps(vars(o)) reads in C",
+                                       "read in C by a callable a library's call makes"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without

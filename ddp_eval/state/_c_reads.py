@@ -39,8 +39,12 @@ on the entries of its dicts and lists, and the objects called
 name fits ``_update_*``) or in a container (``self.handlers[stage](self, x)``: each
 function, bound method of the Brain's or callable object of the recipe's own held
 there). A function of the recipe's given a field more than four calls deep
-counts as reading it, and each field it holds, in C. What is reached otherwise (a
-library's code) is not. Such a read is taken as a
+counts as reading it, and each field it holds, in C. A field given to a library's
+function counts as read in C with what it holds: its entries (``torch.stack``) and
+its fields, and theirs (``json.dumps(vars(self.stats))``,
+``operator.attrgetter("n")(self.stats)``); given to one that only iterates it
+(``enumerate``, ``zip``, ``sorted``), with its entries only. A library's code is not
+scanned itself. Such a read is taken as a
 read of the value whole: if batches change the value, it is named with what they
 may have computed from it. The same walk (:func:`reach`) tells which objects the
 batch code runs methods of and which globals it names, for
@@ -58,7 +62,7 @@ Example
 ...     def on_stage_end(self, stage, loss, epoch):
 ...         self.acc = 100.0 * self.correct / self.seen  # after the merge: not a batch's read
 >>> sorted(read_in_c(Recipe))
-['correct', 'seen', 'squares', 'squares[*]']
+['correct', 'seen', 'squares', 'squares.**']
 """
 
 import builtins
@@ -73,7 +77,6 @@ import types
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ddp_eval.state._field_flow import (
-    ANY,
     CALLED,
     ENTRY,
     Iterated,
@@ -93,7 +96,8 @@ _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-i
 
 Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 Named = FrozenSet[Tuple[types.FunctionType, str]]  # a global's name, and a function that names it
-Scan = Tuple[FrozenSet[str], Calls, Named, FrozenSet[str]]  # read in C, called, globals named, given to calls
+Held = FrozenSet[Tuple[Tuple[str, ...], str, bool]]  # (fields leading to a callable held, a path given, itself)
+Scan = Tuple[FrozenSet[str], Calls, Named, FrozenSet[str], Held]  # read in C, called, globals named, given to calls
 
 
 def read_in_c(owner_class: type, methods: Tuple[str, ...] = BATCH_METHODS) -> FrozenSet[str]:
@@ -140,8 +144,12 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
             continue
         done.add((path, type(owner), methods))
         owners[id(owner)] = owner
-        reads, calls, more, given = _scan(type(owner), methods)
+        reads, calls, more, given, held = _scan(type(owner), methods)
         reads, todo, seen = set(reads), list(calls), set(calls)
+        for chain, given_path, itself in held:  # self.hparams.dump(self.stats): a library's function it holds
+            for target in _held_callables(owner, chain):
+                if _takes_entries_in_c(target) and not _callback(target):
+                    reads.add(_in_c(given_path, itself and not _only_iterates(target)))
         named |= more
         while todo:
             place, method = todo.pop()
@@ -220,11 +228,20 @@ def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
             found = [entry for value in found if isinstance(value, (dict, list, tuple, collections.deque))
                      for entry in list(value.values() if isinstance(value, dict) else value)]
         elif part.startswith("{"):
-            found = [field for value in found for name, field in list(getattr(value, "__dict__", {}).items())
+            found = [field for value in found for name, field in list(fields_of(value).items())
                      if _matches(name, part)]
         else:
             found = [vars(value)[part] for value in found if part in getattr(value, "__dict__", ())]
     return found
+
+
+def fields_of(value: Any) -> Dict[str, Any]:
+    """``value``'s fields, by its ``__dict__``; none of a container's (a recording
+    copy's are its bookkeeping)."""
+    return {} if isinstance(value, _CONTAINERS) else getattr(value, "__dict__", {})
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
 
 
 @functools.lru_cache(maxsize=256)
@@ -235,6 +252,7 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
     named: Set[Tuple[types.FunctionType, str]] = set()
     given: FrozenSet[str] = frozenset()
+    held: Held = frozenset()
     pending, done = list(methods), set()
     while pending:
         name = pending.pop()
@@ -244,8 +262,8 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
         found, called = set(), set()
         for function in _implementations(owner_class, name):
             scanned = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
-            found, called, named, given = (found | scanned[0], called | scanned[1], named | scanned[2],
-                                           given | scanned[3])
+            found, called, named, given, held = (found | scanned[0], called | scanned[1], named | scanned[2],
+                                                 given | scanned[3], held | scanned[4])
         reads |= found
         pending += [name for name in found if isinstance(getattr(owner_class, name, None), types.FunctionType)]
         for fields, method in called:
@@ -255,17 +273,53 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
                 pending.append(method)  # self.helper(...)
             else:
                 calls.add((fields, method))
-    return frozenset(reads), frozenset(calls), frozenset(named), given
+    return frozenset(reads), frozenset(calls), frozenset(named), given, held
+
+
+def _held_callables(owner: Any, chain: Tuple[str, ...]) -> Iterator[Any]:
+    """What ``chain`` (fields, then a callable's name) leads to from ``owner``: a field's
+    value, or a method of its class (found statically: no property runs)."""
+    for value in values_at(owner, chain[:-1]):
+        yield fields_of(value).get(chain[-1], inspect.getattr_static(type(value), chain[-1], None))
 
 
 def _expand(owner: Any, path: Sequence[str]) -> List[Tuple[str, ...]]:
-    """``path`` with each ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`) replaced by each field held there."""
+    """``path`` with each ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`) replaced
+    by each field held there, and ``**`` (:data:`BELOW`) by the place itself and each
+    place below it (:func:`_below`)."""
     found: List[Tuple[str, ...]] = [()]
     for part in path:
+        if part == BELOW:
+            found = [(*place, *below) for place in found for below in _below(values_at(owner, place))]
+            continue
         found = [(*place, field) for place in found for field in (
-            dict.fromkeys(name for value in values_at(owner, place) for name in getattr(value, "__dict__", {})
+            dict.fromkeys(name for value in values_at(owner, place) for name in fields_of(value)
                           if _matches(name, part))
             if part.startswith("{") else (part,))]
+    return found
+
+
+BELOW = "**"  # in a path: the value and what it holds, its fields' and entries' too, up to _BELOW_DEPTH down
+_BELOW_DEPTH, _BELOW_MOST = 4, 1_000
+
+
+def _below(values: List[Any]) -> List[Tuple[str, ...]]:
+    """The paths from ``values`` to themselves (``()``), their entries (``[*]``) and
+    fields, and theirs, :data:`_BELOW_DEPTH` down, at most :data:`_BELOW_MOST`."""
+    found: List[Tuple[str, ...]] = [()]
+    level = [((), values)]
+    for _ in range(_BELOW_DEPTH):
+        deeper = []
+        for place, held in level:
+            entries = [entry for value in held for entry in values_at(value, (ENTRY,))]
+            if entries:
+                deeper.append(((*place, ENTRY), entries))
+            for name in dict.fromkeys(name for value in held for name in fields_of(value)):
+                deeper.append(((*place, name), [fields_of(value)[name] for value in held if name in fields_of(value)]))
+        found += [place for place, _ in deeper][:_BELOW_MOST - len(found)]
+        level = deeper
+        if len(found) >= _BELOW_MOST or not level:
+            break
     return found
 
 
@@ -324,15 +378,18 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
     calls deep."""
     reads: Set[str] = set()
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
-    named, gives = set(), set()
+    named, gives, held = set(), set(), set()
     for code, iterated in _with_nested(function.__code__, selves):
         instructions = list(dis.get_instructions(code))
         named |= {(function, instruction.argval) for instruction in instructions
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
-        reads |= {f"{path}{ENTRY}" for names, path in given_to_globals(code, selves, iterated)
-                  if _takes_entries_in_c(_resolve(names, function.__globals__))}  # torch.stack(self.losses)
+        for names, path, itself in given_to_globals(code, selves, iterated):  # torch.stack(self.losses)
+            if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
+                held.add((names[1:], path, itself))
+            elif _takes_entries_in_c(taker := _resolve(names, function.__globals__)):
+                reads.add(_in_c(path, itself and not _only_iterates(taker)))
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
             for inner, looped in _with_nested(nested, parameters):
@@ -340,14 +397,22 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                 reads, calls = reads | found, calls | called
         for module_function in _module_functions(instructions, function.__globals__):
             if not depth:  # deeper than the scan goes: what it is given counts as read in C, field by field
-                reads |= {f"{path}{below}" for path in given for below in ("", f".{ANY}", ENTRY, f"{ENTRY}.{ANY}")}
+                reads |= {_in_c(path, True) for path in given}
                 continue
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
-            found, called, more, _ = _scan_function(module_function, parameters if given else (), depth - 1)
+            found, called, more, _, _ = _scan_function(module_function, parameters if given else (), depth - 1)
             named |= more
             found, called = _as_given(found, called, given)
             reads, calls = reads | found, calls | called
-    return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives)
+    return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives), frozenset(held)
+
+
+def _in_c(path: str, whole: bool) -> str:
+    """The label of what C code given the value at ``path`` may read of it: its
+    entries, or if ``whole`` everything it holds (``stats.**``; the Brain's, ``**``;
+    ``stats.__dict__``'s: ``stats.**``)."""
+    path = path.removesuffix(".__dict__").removesuffix("__dict__")
+    return f"{path}.{BELOW}" if whole and path else BELOW if whole else f"{path}{ENTRY}"
 
 
 _NOT_READING = (isinstance, issubclass, id, type, hasattr, getattr, setattr, callable)  # of a value's entries
@@ -359,6 +424,16 @@ def _resolve(names: Sequence[str], globals_: Dict[str, Any]) -> Any:
     for name in names[1:]:
         value = getattr(value, name, None) if isinstance(value, types.ModuleType) else None
     return value
+
+
+_ITERATING = (enumerate, zip, iter, reversed, len, list, tuple, map, filter, sorted, sum, any, all, min, max)
+
+
+def _only_iterates(function: Any) -> bool:
+    """Whether ``function`` takes only a container's entries, never an entry's fields
+    (``enumerate``, ``zip``, ``sorted``: it hands them to Python, or compares them by
+    their own methods)."""
+    return any(function is other for other in _ITERATING)
 
 
 def _takes_entries_in_c(function: Any) -> bool:

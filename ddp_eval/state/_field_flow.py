@@ -66,35 +66,84 @@ def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (fr
 
 
 def given_to_globals(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
-                     ) -> Set[Tuple[Tuple[str, ...], str]]:
-    """(the names that load a call's callable from a global, ``("torch", "stack")``;
-    the path of a field given to it) of each field ``code`` gives to such a call.
+                     ) -> Set[Tuple[Tuple[str, ...], str, bool]]:
+    """(the names that load a call's callable from a global, ``("torch", "stack")``,
+    or from one of ``selves``, ``("self", "hparams", "dump")``; the path of a field
+    given to it; whether the field itself is given, not what a method of it hands
+    back) of each field ``code`` gives to such a call.
 
     Example
     -------
     >>> def f(self):
-    ...     return torch.stack(self.losses).mean() + len(self.ids)
+    ...     return torch.stack(self.losses).mean() + len(self.ids) + json.dumps(self.stats.snapshot())
     >>> sorted(given_to_globals(f.__code__, ("self",)))
-    [(('len',), 'ids'), (('torch', 'stack'), 'losses')]
+    [(('json', 'dumps'), 'stats', False), (('len',), 'ids', True), (('torch', 'stack'), 'losses', True)]
     """
     instructions = list(dis.get_instructions(code))
     found = set()
-    for end, (start, paths) in _attribute_loads(instructions, selves, iterated).items():
+    loads = _attribute_loads(instructions, selves, iterated)
+    itself = {at: (at, frozenset({""})) for at, instruction in enumerate(instructions[:-1])  # vars(self)
+              if instruction.opname in _SELF_LOADS and instruction.argval in selves
+              and instructions[at + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")}
+    for end, (start, paths) in {**itself, **loads}.items():
         taker = _taker(instructions, end)
         if taker is None or not _is_argument(instructions, taker) or _is_choice(code, instructions, taker):
             continue  # min(s, self.low) stored back: a choice the merge replays
         call = taker + 1 if instructions[taker].opname == "PRECALL" else taker
-        callee = next((i for i in range(start - 1, -1, -1) if instructions[i].opname in (
-            "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD") and _taker(instructions, i) == call), None)
-        root = callee
-        while root and instructions[root].opname != "LOAD_GLOBAL" and instructions[root - 1].opname in (
-                "LOAD_GLOBAL", "LOAD_ATTR"):
-            root -= 1  # torch.nn.functional.pad: from the global
-        if root is None or instructions[root].opname != "LOAD_GLOBAL":
-            continue
-        names = tuple(instruction.argval for instruction in instructions[root:callee + 1])
-        found |= {(names, plain(path)) for path in paths}
+        names = _from_a_global(instructions, _callee(instructions, start, call), selves)
+        if names:
+            found |= {(names, plain(path), not _handed_back(instructions, end)) for path in paths}
     return found
+
+
+def _handed_back(instructions: List[dis.Instruction], end: int) -> bool:
+    """Whether the value pushed at ``end`` is what a call hands back, not a field
+    itself: a method of it is called (``self.stats.snapshot()``), or it is a local
+    bound to what a call hands back (``m = self.aligner.lookup(k)``)."""
+    if instructions[end + 1].opname == "LOAD_METHOD":
+        return True
+    if instructions[end].opname != "LOAD_FAST":
+        return False
+    store = next((i for i in range(end - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
+                  and instructions[i].argval == instructions[end].argval), None)
+    return store is not None and instructions[store - 1].opname == "CALL"
+
+
+def _callee(instructions: List[dis.Instruction], start: int, call: int) -> Optional[int]:
+    """The index of the instruction before ``start`` that pushes what ``call`` calls:
+    a load, or a call that makes it."""
+    return next((i for i in range(start - 1, -1, -1) if instructions[i].opname in (
+        "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST") and _taker(instructions, i) == call), None)
+
+
+def _from_a_global(instructions: List[dis.Instruction], at: Optional[int], selves: Tuple[str, ...]
+                   ) -> Optional[Tuple[str, ...]]:
+    """The names that load from a global the callable pushed ``at``
+    (``torch.nn.functional.pad``), or the callable a call of it makes, or whose method
+    it is (``operator.attrgetter("n")``, ``json.JSONEncoder().encode``:
+    ``("json", "JSONEncoder")``), through a local bound to one (``fn = json.dumps``);
+    or from one of ``selves`` (``self.hparams.dump``: ``("self", "hparams", "dump")``);
+    None if it comes otherwise."""
+    names: List[str] = []
+    for _ in range(16):
+        if at is None:
+            return None
+        instruction = instructions[at]
+        if instruction.opname == "LOAD_GLOBAL":
+            return (instruction.argval, *names)
+        if instruction.opname == "CALL":  # what a call makes: the callable it calls stands for it
+            names, at = [], _callee(instructions, at, at)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and at and instructions[at - 1].opname in (
+                "LOAD_GLOBAL", "LOAD_ATTR", "CALL", "LOAD_FAST"):
+            names, at = [instruction.argval, *names], at - 1
+        elif instruction.opname == "LOAD_FAST":  # its last binding before
+            at = next((i - 1 for i in range(at - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
+                       and instructions[i].argval == instruction.argval), None)
+            if at is None and instruction.argval in selves and names:
+                return (instruction.argval, *names)
+        else:
+            return None
+    return None
 
 
 def passed_functions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
