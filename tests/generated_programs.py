@@ -73,6 +73,11 @@ class Count:
         self.count = 0
 
 
+class DumpedCount(Count):
+    def dump(self):  # gives itself to a library's function, which reads its count in C
+        return json.dumps(vars(self))
+
+
 _LABELS = [f"label{i}" for i in range(1000)]
 
 
@@ -275,7 +280,8 @@ class Brain:
         # other references to watched containers: a second attribute, fields of hparams (one level deep)
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
         self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list),
-                                             count_in_c=_count_by_callback)  # a function of the recipe's
+                                             count_in_c=_count_by_callback,  # a function of the recipe's
+                                             dump=functools.partial(json.dumps, default=vars))  # !name:json.dumps
         # outside the Brain: a closure's variable, a field of an object of the recipe's own only a closure holds
         self.c_list_size = (lambda items: lambda: len(items))(self.c_list)
         self.c_dict_keys = (lambda tally: lambda: tally.counts)(OutsideTally(self.c_dict))
@@ -292,7 +298,8 @@ class Brain:
         self.m_a, self.m_b, self.r_meter = Count(), Count(), Count()  # by a lambda given to map, a nested def
         self.v_weight, self.v_count, self.x_count = 2, 0, 0  # in displays, after a constant
         self.stacked = []  # a list of tensors torch.stack takes the entries of in C
-        self.j_tally, self.o_tally = Count(), Count()  # fields a library's function reads in C
+        self.j_tally, self.o_tally, self.h_tally = Count(), Count(), Count()  # fields a library's function reads
+        self.w_dumped = DumpedCount()
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -364,6 +371,12 @@ class Brain:
         elif read == "attrgetter":
             self.o_tally.count += 1
             self.c_reads.append(2.5 * operator.attrgetter("count")(self.o_tally))
+        elif read == "held library":
+            self.h_tally.count += 1
+            self.c_reads.append(self.hparams.dump(self.h_tally))
+        elif read == "vars of self":
+            self.w_dumped.count += 1
+            self.c_reads.append(self.w_dumped.dump())
         elif read == "stacked":
             self.stacked.append(torch.tensor(value(b), dtype=torch.float64))
             self.c_reads.append(float(torch.stack(self.stacked).sum()))
@@ -400,7 +413,9 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by C code given a tuple display": "product of a display",
     "a list of tensors torch.stack takes the entries of": "stacked",
     "an object's fields json.dumps(vars(o)) reads in C": "vars",
-    "read in C by a callable a library's call makes": "attrgetter"}
+    "read in C by a callable a library's call makes": "attrgetter",
+    "read in C by a library's function hparams hold": "held library",
+    "read in C of vars(self) by a held object's method": "vars of self"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

@@ -146,7 +146,9 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
                                        "read in C by C code given a tuple display",
                                        "a list of tensors torch.stack takes the entries of",
                                        "an object's fields json.dumps(vars(o)) reads in C",
-                                       "read in C by a callable a library's call makes"])
+                                       "read in C by a callable a library's call makes",
+                                       "read in C by a library's function hparams hold",
+                                       "read in C of vars(self) by a held object's method"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without
