@@ -10,10 +10,12 @@ Compared with one process running the same batches on plain values."""
 
 import collections
 import copy
+import functools
 import io
 import json
 import pickle
 import re
+import types
 
 import numpy as np
 import pytest
@@ -223,3 +225,32 @@ def test_a_recording_copy_that_holds_itself_reads_as_the_plain_list():
     copy.append(copy)
     plain.append(plain)
     assert (repr(copy), str(copy)) == (repr(plain), str(plain))
+
+
+class WithPartials:
+    """A Brain whose ``hparams`` hold a ``functools.partial`` and a function, as
+    ``!name:`` makes them, called in each batch."""
+
+    def __init__(self):
+        self._ddp_brain_attributes = frozenset({"_ddp_brain_attributes", "hparams"})
+        self.hparams = types.SimpleNamespace(dump=functools.partial(json.dumps, sort_keys=True), scale=abs)
+        self.counts = {"a": 0}
+
+    def compute_objectives(self, b):
+        self.counts["a"] += 1
+        return self.hparams.dump({"b": b})
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2]], [[0, 2], [1]], [[0, 1, 2], []]],
+                         ids=["one process", "2 ranks", "one idle"])
+def test_the_partials_hparams_hold_pickle_after_the_stage_as_in_one_process(layout):
+    """ddp_eval's walks over the state outside the Brain do not ask a partial for its
+    ``__dict__`` (asking makes one, which its pickle then holds)."""
+    plain = WithPartials()
+    for b in range(3):
+        plain.compute_objectives(b)
+    brains, _, _ = simulate(layout, WithPartials, lambda brain, b: brain.compute_objectives(b), DDPEvalConfig())
+    for brain in brains:
+        assert pickle.dumps(brain.hparams.dump) == pickle.dumps(plain.hparams.dump)
+        assert brain.counts == plain.counts

@@ -284,6 +284,8 @@ def _of_the_recipe(value: Any) -> bool:
 
 
 def _fields_of(value: Any) -> Any:
+    if isinstance(value, (functools.partial, types.FunctionType)):
+        return None  # asking makes them one, which a pickle of it then holds
     try:
         return object.__getattribute__(value, "__dict__")  # no __getattr__ of the object's own runs
     except Exception:  # none

@@ -80,6 +80,7 @@ from ddp_eval.state._field_flow import (
     CALLED,
     ENTRY,
     Iterated,
+    _taker,
     comprehensions,
     given_to_globals,
     label_of,
@@ -162,7 +163,7 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
                     held, name, function = fields, method, getattr(type(target), method, None)
                     if method == CALLED or not isinstance(function, types.FunctionType):  # an object called
                         if method != CALLED:  # self.meter(x); self.handlers[k](x): the entry itself
-                            held, target = (*fields, method), getattr(target, "__dict__", {}).get(method)
+                            held, target = (*fields, method), fields_of(target).get(method)
                         name, bound = "__call__", getattr(target, "__func__", None)
                         function = getattr(type(target), name, None)
                         if getattr(target, "__self__", None) is owner and _the_recipes(bound):
@@ -192,12 +193,12 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
 def _place_of(owner: Any, held: Any) -> Optional[Tuple[str, ...]]:
     """Where ``owner`` holds ``held``: a field (``("stats",)``), a field of a field
     or an entry of a container field (``("per_key", "[*]")``); None if not there."""
-    fields = list(getattr(owner, "__dict__", {}).items())
+    fields = list(fields_of(owner).items())
     for name, value in fields:
         if value is held:
             return (name,)
     for name, value in fields:
-        for inner in (ENTRY, *getattr(value, "__dict__", ())):
+        for inner in (ENTRY, *fields_of(value)):
             if any(found is held for found in values_at(value, (inner,))):
                 return (name, inner)
     return None
@@ -231,17 +232,19 @@ def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
             found = [field for value in found for name, field in list(fields_of(value).items())
                      if _matches(name, part)]
         else:
-            found = [vars(value)[part] for value in found if part in getattr(value, "__dict__", ())]
+            found = [fields_of(value)[part] for value in found if part in fields_of(value)]
     return found
 
 
 def fields_of(value: Any) -> Dict[str, Any]:
     """``value``'s fields, by its ``__dict__``; none of a container's (a recording
-    copy's are its bookkeeping)."""
-    return {} if isinstance(value, _CONTAINERS) else getattr(value, "__dict__", {})
+    copy's are its bookkeeping), nor of a function's or a ``functools.partial``'s
+    (asking makes them one, which a pickle of it then holds)."""
+    return {} if isinstance(value, _NO_FIELDS) else getattr(value, "__dict__", {})
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
+_NO_FIELDS = (dict, list, tuple, set, frozenset, collections.deque, functools.partial, types.FunctionType,
+              types.MethodType)
 
 
 @functools.lru_cache(maxsize=256)
@@ -385,24 +388,28 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
+        given_to: Dict[Any, Set[str]] = collections.defaultdict(set)  # a module's function -> the fields it is given
         for names, path, itself in given_to_globals(code, selves, iterated):  # torch.stack(self.losses)
             if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
                 held.add((names[1:], path, itself))
             elif _takes_entries_in_c(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))
+            elif _the_recipes(taker):
+                given_to[taker].add(path)
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
             for inner, looped in _with_nested(nested, parameters):
                 found, called = _as_given(*uses(inner, parameters, looped)[:2], passed)
                 reads, calls = reads | found, calls | called
-        for module_function in _module_functions(instructions, function.__globals__):
-            if not depth:  # deeper than the scan goes: what it is given counts as read in C, field by field
-                reads |= {_in_c(path, True) for path in given}
+        for module_function, called_here in _module_functions(instructions, function.__globals__).items():
+            passed = given_to[module_function] if called_here else given  # else map(update, ...): any given
+            if not depth:  # deeper than the scan goes: what it is given counts as read in C, with what it holds
+                reads |= {_in_c(path, True) for path in passed}
                 continue
             parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
-            found, called, more, _, _ = _scan_function(module_function, parameters if given else (), depth - 1)
+            found, called, more, _, _ = _scan_function(module_function, parameters if passed else (), depth - 1)
             named |= more
-            found, called = _as_given(found, called, given)
+            found, called = _as_given(found, called, passed)
             reads, calls = reads | found, calls | called
     return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives), frozenset(held)
 
@@ -457,18 +464,22 @@ def _with_nested(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterat
             yield from _with_nested(constant, selves, looped.get(constant, (frozenset(), False)))
 
 
-def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]) -> List[types.FunctionType]:
+def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]
+                      ) -> Dict[types.FunctionType, bool]:
     """The functions of the recipe's modules the code loads (``update(...)``,
-    ``helpers.update(...)``): each may be the one a value is given to."""
-    found = []
+    ``helpers.update(...)``), each with whether every load of it is called there
+    (then it is given what its calls give it; else, as in ``map(update, ...)``, it may
+    be given anything the code gives)."""
+    found: Dict[types.FunctionType, bool] = {}
     for at, instruction in enumerate(instructions[:-1]):
         if instruction.opname != "LOAD_GLOBAL":
             continue
         value = names.get(instruction.argval)
         if isinstance(value, types.ModuleType) and instructions[at + 1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            value = getattr(value, instructions[at + 1].argval, None)
+            value, at = getattr(value, instructions[at + 1].argval, None), at + 1
         if _the_recipes(value):
-            found.append(value)
+            taker = _taker(instructions, at)
+            found[value] = found.get(value, True) and taker is not None and instructions[taker].opname == "CALL"
     return found
 
 

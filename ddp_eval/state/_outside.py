@@ -26,6 +26,7 @@ Example
 """
 
 import collections
+import functools
 import types
 from typing import Any, Dict, Iterable, Mapping, Tuple
 
@@ -71,9 +72,10 @@ def _by_contents(value: Any) -> bool:
     library's objects, whose fields change as they work)."""
     if isinstance(value, (list, dict, set, tuple, collections.deque, bytearray)) or is_array(value):
         return True
-    return (type(getattr(value, "__dict__", None)) is dict and not isinstance(
-        value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module))
-        and not of_a_framework(value) and not sb_compat.holds_scratch_state(value))
+    return (not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module,
+                                   functools.partial))  # asking a function or a partial for fields makes them one
+            and type(getattr(value, "__dict__", None)) is dict
+            and not of_a_framework(value) and not sb_compat.holds_scratch_state(value))
 
 
 def _full_marker(value: Any) -> Any:
@@ -84,7 +86,7 @@ def _full_marker(value: Any) -> Any:
 
 
 def _attributes(obj: Any) -> Iterable[Tuple[str, Any]]:
-    if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+    if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)):
         return ()
     try:
         return list(vars(obj).items())
