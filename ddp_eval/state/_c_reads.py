@@ -80,9 +80,9 @@ from ddp_eval.state._field_flow import (
     CALLED,
     ENTRY,
     Iterated,
-    _taker,
     comprehensions,
     given_to_globals,
+    is_called,
     label_of,
     parts,
     passed_functions,
@@ -394,7 +394,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                 held.add((names[1:], path, itself))
             elif _takes_entries_in_c(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))
-            elif _the_recipes(taker):
+            elif _the_recipes(taker) and itself:  # not meter in meter.update(value(b))
                 given_to[taker].add(path)
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
@@ -474,12 +474,11 @@ def _module_functions(instructions: List[dis.Instruction], names: Dict[str, Any]
     for at, instruction in enumerate(instructions[:-1]):
         if instruction.opname != "LOAD_GLOBAL":
             continue
-        value = names.get(instruction.argval)
+        value, end = names.get(instruction.argval), at
         if isinstance(value, types.ModuleType) and instructions[at + 1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            value, at = getattr(value, instructions[at + 1].argval, None), at + 1
+            value, end = getattr(value, instructions[at + 1].argval, None), at + 1
         if _the_recipes(value):
-            taker = _taker(instructions, at)
-            found[value] = found.get(value, True) and taker is not None and instructions[taker].opname == "CALL"
+            found[value] = found.get(value, True) and is_called(instructions, end)
     return found
 
 

@@ -42,6 +42,7 @@ _KEEPING = ("JUMP_IF_TRUE_OR_POP", "JUMP_IF_FALSE_OR_POP")  # a jump that keeps 
 _DISPLAYS = ("BUILD_LIST", "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP")
 _HOLDING = (*_DISPLAYS, "BUILD_SET")  # a display holding the values it takes
 _PASSING_ENTRY = ("max", "min", "next")  # given one container (and keywords): return one of its entries
+_VIEWS = ("values", "items", "keys", "get", "copy", "setdefault", "pop")  # methods handing back what it holds
 _PASSING = ("sorted", "list", "tuple", "reversed", "iter", "set", "frozenset", "filter", *_PASSING_ENTRY)
 Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (where its load starts, its paths)
 Iterated = Tuple[FrozenSet[str], bool]  # what a comprehension's entries stand for; whether they are items() pairs
@@ -83,8 +84,8 @@ def given_to_globals(code: types.CodeType, selves: Tuple[str, ...], iterated: It
     found = set()
     loads = _attribute_loads(instructions, selves, iterated)
     itself = {at: (at, frozenset({""})) for at, instruction in enumerate(instructions[:-1])  # vars(self)
-              if instruction.opname in _SELF_LOADS and instruction.argval in selves
-              and instructions[at + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")}
+              if len(selves) == 1 and instruction.opname in _SELF_LOADS and instruction.argval in selves
+              and instructions[at + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")}  # of several, which is not known
     for end, (start, paths) in {**itself, **loads}.items():
         taker = _taker(instructions, end)
         if taker is None or not _is_argument(instructions, taker) or _is_choice(code, instructions, taker):
@@ -96,12 +97,20 @@ def given_to_globals(code: types.CodeType, selves: Tuple[str, ...], iterated: It
     return found
 
 
+def is_called(instructions: List[dis.Instruction], at: int) -> bool:
+    """Whether the value pushed ``at`` is what a call calls (``update(...)``), not
+    given or stored (``map(update, ...)``)."""
+    taker = _taker(instructions, at)
+    return taker is not None and instructions[taker].opname == "CALL"
+
+
 def _handed_back(instructions: List[dis.Instruction], end: int) -> bool:
     """Whether the value pushed at ``end`` is what a call hands back, not a field
-    itself: a method of it is called (``self.stats.snapshot()``), or it is a local
-    bound to what a call hands back (``m = self.aligner.lookup(k)``)."""
+    itself: a method of it is called (``self.stats.snapshot()``; not a view of it,
+    ``self.per_key.values()``), or it is a local bound to what a call hands back
+    (``m = self.aligner.lookup(k)``)."""
     if instructions[end + 1].opname == "LOAD_METHOD":
-        return True
+        return instructions[end + 1].argval not in _VIEWS
     if instructions[end].opname != "LOAD_FAST":
         return False
     store = next((i for i in range(end - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
