@@ -71,6 +71,7 @@ import dis
 import fnmatch
 import functools
 import inspect
+import itertools
 import os
 import sys
 import types
@@ -308,13 +309,16 @@ _BELOW_DEPTH, _BELOW_MOST = 4, 1_000
 
 def _below(values: List[Any]) -> List[Tuple[str, ...]]:
     """The paths from ``values`` to themselves (``()``), their entries (``[*]``) and
-    fields, and theirs, :data:`_BELOW_DEPTH` down, at most :data:`_BELOW_MOST`."""
+    fields, and theirs, :data:`_BELOW_DEPTH` down, at most :data:`_BELOW_MOST`; a
+    place's fields are found on its first :data:`_BELOW_MOST` values (a dataset's
+    100,000 entries are not all walked)."""
     found: List[Tuple[str, ...]] = [()]
-    level = [((), values)]
+    level = [((), values[:_BELOW_MOST])]
     for _ in range(_BELOW_DEPTH):
         deeper = []
         for place, held in level:
-            entries = [entry for value in held for entry in values_at(value, (ENTRY,))]
+            entries = list(itertools.islice((entry for value in held for entry in values_at(value, (ENTRY,))),
+                                            _BELOW_MOST))
             if entries:
                 deeper.append(((*place, ENTRY), entries))
             for name in dict.fromkeys(name for value in held for name in fields_of(value)):
