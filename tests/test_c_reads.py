@@ -729,6 +729,17 @@ class SelfInC(FieldsInC):
         self.late.append(self.stats.dump())
 
 
+class GotInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.per = {0: Plain(), 1: Plain()}
+
+    def _read(self, b):  # an entry a dict's get hands back
+        self.per[b % 2].update(b)
+        meter = self.per.get(b % 2)
+        self.late.append(json.dumps(vars(meter)))
+
+
 class LocalInC(FieldsInC):
     def _read(self, b):  # through a local bound to a library's function
         dump = json.dumps
@@ -771,8 +782,8 @@ class CheckedOnly(FieldsInC):
 
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
-@pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, LocalInC, MethodInC,
-                                    HeldInC, UnchangedInC, CheckedOnly, Converted])
+@pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, GotInC, LocalInC,
+                                    MethodInC, HeldInC, UnchangedInC, CheckedOnly, Converted])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
     """``json.dumps(vars(self.stats))`` reads ``stats.count`` in C, where no probe sees:
     on a rank it reads that rank's count. Named, with what it computed, however the
@@ -781,7 +792,8 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     ``isinstance`` or only iterated, a helper's other parameter given to C code, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
              UnchangedInC: {"config.count", "config.total"},
-             CheckedOnly: set(), Converted: set()}.get(recipe, {"stats.count", "stats.total"})
+             CheckedOnly: set(), Converted: set(), GotInC: {"per[*].count", "per[*].total"}}.get(
+        recipe, {"stats.count", "stats.total"})
     brain = recipe()
     found = {label for label in read_in_c_of(brain) if label not in ("seen", "correct") and any(
         isinstance(value, (int, float)) for value in values_at(brain, parts(label)))}  # the numbers read

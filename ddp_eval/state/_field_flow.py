@@ -108,14 +108,17 @@ def _handed_back(instructions: List[dis.Instruction], end: int) -> bool:
     """Whether the value pushed at ``end`` is what a call hands back, not a field
     itself: a method of it is called (``self.stats.snapshot()``; not a view of it,
     ``self.per_key.values()``), or it is a local bound to what a call hands back
-    (``m = self.aligner.lookup(k)``)."""
+    (``m = self.aligner.lookup(k)``; not ``m = self.meters.get(k)``)."""
     if instructions[end + 1].opname == "LOAD_METHOD":
         return instructions[end + 1].argval not in _VIEWS
     if instructions[end].opname != "LOAD_FAST":
         return False
     store = next((i for i in range(end - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
                   and instructions[i].argval == instructions[end].argval), None)
-    return store is not None and instructions[store - 1].opname == "CALL"
+    if store is None or instructions[store - 1].opname != "CALL":
+        return False
+    callee = _callee(instructions, store - 1, store - 1)  # m = self.meters.get(k): one of its entries
+    return callee is None or instructions[callee].opname != "LOAD_METHOD" or instructions[callee].argval not in _VIEWS
 
 
 def _callee(instructions: List[dis.Instruction], start: int, call: int) -> Optional[int]:
