@@ -82,7 +82,7 @@ from ddp_eval.state._field_flow import (
     ENTRY,
     Iterated,
     comprehensions,
-    given_to_globals,
+    given_to_calls,
     is_called,
     label_of,
     parts,
@@ -393,7 +393,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
         given_to: Dict[Any, Set[str]] = collections.defaultdict(set)  # a module's function -> the fields it is given
-        for names, path, itself in given_to_globals(code, selves, iterated):  # torch.stack(self.losses)
+        for names, path, itself in given_to_calls(code, selves, iterated):  # torch.stack(self.losses)
             if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
                 held.add((names[1:], path, itself))
             elif _takes_entries_in_c(taker := _resolve(names, function.__globals__)):
@@ -422,7 +422,7 @@ def _in_c(path: str, whole: bool) -> str:
     """The label of what C code given the value at ``path`` may read of it: its
     entries, or if ``whole`` everything it holds (``stats.**``; the Brain's, ``**``;
     ``stats.__dict__``'s: ``stats.**``)."""
-    path = path.removesuffix(".__dict__").removesuffix("__dict__")
+    path = "" if path == "__dict__" else path.removesuffix(".__dict__")
     return f"{path}.{BELOW}" if whole and path else BELOW if whole else f"{path}{ENTRY}"
 
 

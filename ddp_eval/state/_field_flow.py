@@ -66,8 +66,8 @@ def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (fr
         instructions, loads, selves)
 
 
-def given_to_globals(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
-                     ) -> Set[Tuple[Tuple[str, ...], str, bool]]:
+def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
+                   ) -> Set[Tuple[Tuple[str, ...], str, bool]]:
     """(the names that load a call's callable from a global, ``("torch", "stack")``,
     or from one of ``selves``, ``("self", "hparams", "dump")``; the path of a field
     given to it; whether the field itself is given, not what a method of it hands
@@ -77,7 +77,7 @@ def given_to_globals(code: types.CodeType, selves: Tuple[str, ...], iterated: It
     -------
     >>> def f(self):
     ...     return torch.stack(self.losses).mean() + len(self.ids) + json.dumps(self.stats.snapshot())
-    >>> sorted(given_to_globals(f.__code__, ("self",)))
+    >>> sorted(given_to_calls(f.__code__, ("self",)))
     [(('json', 'dumps'), 'stats', False), (('len',), 'ids', True), (('torch', 'stack'), 'losses', True)]
     """
     instructions = list(dis.get_instructions(code))
