@@ -20,8 +20,8 @@ operator or a comparison, whose left operand is neither another field of
 ``self`` (whose probe then sees it) nor a constant that calls its methods, and
 for one passed to a call (``math.sqrt(self.total)``, ``torch.tensor(self.x)``: C
 code takes the value of a float or int subclass directly; given to a library's
-function, its entries too: ``torch.stack(self.losses)`` takes a list's tensors
-without iterating it, ``losses[*]``), but for the builtin
+function, what it holds too: ``torch.stack(self.losses)`` takes a list's tensors
+without iterating it, ``losses.**``), but for the builtin
 ``max`` or ``min`` the merge replays as a choice, or used as the index of a
 container that is not watched (``LABELS[self.n]``); the instructions are
 followed by :mod:`ddp_eval.state._field_flow`.
@@ -150,7 +150,7 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
         reads, todo, seen = set(reads), list(calls), set(calls)
         for chain, given_path, itself in held:  # self.hparams.dump(self.stats): a library's function it holds
             for target in _held_callables(owner, chain):
-                if _takes_entries_in_c(target) and not _callback(target):
+                if _a_librarys_reader(target) and not _callback(target):
                     reads.add(_in_c(given_path, itself and not _only_iterates(target)))
         named |= more
         while todo:
@@ -396,7 +396,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
         for names, path, itself in given_to_calls(code, selves, iterated):  # torch.stack(self.losses)
             if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
                 held.add((names[1:], path, itself))
-            elif _takes_entries_in_c(taker := _resolve(names, function.__globals__)):
+            elif _a_librarys_reader(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))
             elif _the_recipes(taker) and itself:  # not meter in meter.update(value(b))
                 given_to[taker].add(path)
@@ -447,11 +447,12 @@ def _only_iterates(function: Any) -> bool:
     return any(function is other for other in _ITERATING)
 
 
-def _takes_entries_in_c(function: Any) -> bool:
-    """Whether ``function``, given a list, may take its entries in C without iterating
-    it (``torch.stack``, ``numpy.concatenate``: a recording copy sees no read): a
-    library's (Python's own, torch, NumPy, SpeechBrain) callable, but those that only
-    look at the value itself (``isinstance``, ``id``)."""
+def _a_librarys_reader(function: Any) -> bool:
+    """Whether ``function`` may read what it is given in C, where no recording copy
+    or probe sees it (``torch.stack`` takes a list's tensors without iterating it,
+    ``json.dumps`` an object's numbers through ``vars``): a library's (Python's own,
+    torch, NumPy, SpeechBrain) callable, but those that only look at the value itself
+    (``isinstance``, ``id``)."""
     if function is None or _the_recipes(function) or any(function is other for other in _NOT_READING):
         return False
     return (getattr(function, "__module__", None) or type(function).__module__ or "").split(".")[0] in {
