@@ -77,6 +77,13 @@ class DumpedCount(Count):
     def dump(self):  # gives itself to a library's function, which reads its count in C
         return json.dumps(vars(self))
 
+    def snapshot(self):  # hands back a dict holding its count
+        return {"count": self.count}
+
+
+def _dump_with(tally, indent):  # a module's function with two parameters, one given to a library's function
+    return json.dumps(vars(tally), indent=indent)
+
 
 _LABELS = [f"label{i}" for i in range(1000)]
 
@@ -299,7 +306,8 @@ class Brain:
         self.v_weight, self.v_count, self.x_count = 2, 0, 0  # in displays, after a constant
         self.stacked = []  # a list of tensors torch.stack takes the entries of in C
         self.j_tally, self.o_tally, self.h_tally = Count(), Count(), Count()  # fields a library's function reads
-        self.w_dumped = DumpedCount()
+        self.w_dumped, self.z_dumped, self.y_tally, self.i_tally = DumpedCount(), DumpedCount(), Count(), Count()
+        self.dumpers = {"json": functools.partial(json.dumps, default=vars)}  # a library's function in a dict
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -377,6 +385,15 @@ class Brain:
         elif read == "vars of self":
             self.w_dumped.count += 1
             self.c_reads.append(self.w_dumped.dump())
+        elif read == "positional":
+            self.y_tally.count += 1
+            self.c_reads.append(_dump_with(self.y_tally, None))
+        elif read == "returned":
+            self.z_dumped.count += 1
+            self.c_reads.append(json.dumps(self.z_dumped.snapshot()))
+        elif read == "library in a dict":
+            self.i_tally.count += 1
+            self.c_reads.append(self.dumpers["json"](self.i_tally))
         elif read == "stacked":
             self.stacked.append(torch.tensor(value(b), dtype=torch.float64))
             self.c_reads.append(float(torch.stack(self.stacked).sum()))
@@ -415,7 +432,10 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "an object's fields json.dumps(vars(o)) reads in C": "vars",
     "read in C by a callable a library's call makes": "attrgetter",
     "read in C by a library's function hparams hold": "held library",
-    "read in C of vars(self) by a held object's method": "vars of self"}
+    "read in C of vars(self) by a held object's method": "vars of self",
+    "read in C by a helper's parameter given to a library's function": "positional",
+    "read in C of what a method of the recipe's hands back": "returned",
+    "read in C by a library's function held in a dict": "library in a dict"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

@@ -760,6 +760,62 @@ class HeldInC(FieldsInC):
         self.late.append(self.hparams.dump(self.stats))
 
 
+def _dump(stats, indent):  # a helper of the recipe's with several parameters, one given to a library's function
+    return json.dumps(vars(stats), indent=indent)
+
+
+class PositionalInC(FieldsInC):
+    def _read(self, b):  # given by position
+        self.late.append(_dump(self.stats, 2))
+
+
+class KeywordInC(FieldsInC):
+    def _read(self, b):  # given by keyword
+        self.late.append(_dump(indent=None, stats=self.stats))
+
+
+class Snapshots(Plain):
+    def snapshot(self):  # what its methods hand back holds its numbers
+        return {"count": self.count, "total": self.total}
+
+    def mean_of(self, b):
+        return b / 2
+
+    def counted(self):
+        return self.count
+
+
+class ReturnedInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.stats = Snapshots()
+
+    def _read(self, b):  # a library's function given what a method of the recipe's hands back
+        self.late.append(json.dumps(self.stats.snapshot()))
+
+
+class ReturnedOperand(ReturnedInC):
+    def _read(self, b):  # a float on the left of what a method hands back
+        self.late.append(2.5 * self.stats.counted())
+
+
+class ReturnedComputed(ReturnedInC):
+    def _read(self, b):  # what a method computes anew: no field read in C
+        self.late.append(2.5 * self.stats.mean_of(b) + 2.5 * self._halved(b))
+
+    def _halved(self, b):
+        return b / 2
+
+
+class HandlersInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.handlers = {"dump": functools.partial(json.dumps, default=vars)}
+
+    def _read(self, b):  # a library's function held in a dict
+        self.late.append(self.handlers["dump"](self.stats))
+
+
 class UnchangedInC(FieldsInC):
     def _read(self, b):  # a library reads fields no batch changes; an object only iterated
         self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
@@ -783,16 +839,20 @@ class CheckedOnly(FieldsInC):
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, GotInC, LocalInC,
-                                    MethodInC, HeldInC, UnchangedInC, CheckedOnly, Converted])
+                                    MethodInC, HeldInC, PositionalInC, KeywordInC, ReturnedInC, ReturnedOperand,
+                                    HandlersInC, UnchangedInC, CheckedOnly, Converted, ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
     """``json.dumps(vars(self.stats))`` reads ``stats.count`` in C, where no probe sees:
     on a rank it reads that rank's count. Named, with what it computed, however the
-    library's function is found (a global, a call's product, a local, ``hparams``),
-    five calls down, two objects below; fields no batch changes, an object given to
-    ``isinstance`` or only iterated, a helper's other parameter given to C code, are not."""
+    library's function is found (a global, a call's product, a local, ``hparams``, a
+    dict's entry), five calls down, two objects below, through a helper's parameter
+    matched by position or keyword, or what a method of the recipe's hands back;
+    fields no batch changes, an object given to ``isinstance`` or only iterated, a
+    helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
              UnchangedInC: {"config.count", "config.total"},
-             CheckedOnly: set(), Converted: set(), GotInC: {"per[*].count", "per[*].total"}}.get(
+             CheckedOnly: set(), Converted: set(), ReturnedComputed: set(), ReturnedOperand: {"stats.count"},
+             GotInC: {"per[*].count", "per[*].total"}}.get(
         recipe, {"stats.count", "stats.total"})
     brain = recipe()
     found = {label for label in read_in_c_of(brain) if label not in ("seen", "correct") and any(
@@ -802,7 +862,7 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     named = set(merged.assumed) | set(merged.conflicts)
     differs = {name for name, want in vars(single).items()
                if repr(_plain(getattr(holders[0], name))) != repr(_plain(want))}
-    if recipe in (UnchangedInC, CheckedOnly, Converted):
+    if recipe in (UnchangedInC, CheckedOnly, Converted, ReturnedComputed):
         assert not differs and not named, (differs, sorted(named))
     else:
         assert "late" in differs and differs <= named, (differs, sorted(named))

@@ -30,8 +30,8 @@ The code scanned, with its nested functions: ``compute_forward``,
 ``compute_objectives`` and ``evaluate_batch``; the methods they call on
 ``self``, and the parents' they call through ``super()``; the functions of the
 recipe's modules they give ``self`` or a field of it (``update(self.stats, x)``:
-each parameter taken for the value given, a read of ``stats.count`` as one of
-``self.stats.count``); the methods they call on the objects the Brain holds and
+each parameter taken for the value given to it by position or keyword, a read of
+``stats.count`` as one of ``self.stats.count``); the methods they call on the objects the Brain holds and
 on the entries of its dicts and lists, and the objects called
 (``self.stats.update(x)``, ``self.per_key[k].update(x)``,
 ``self.hparams.meter(x)``, :func:`read_in_c_of`); and what a batch finds by name
@@ -43,7 +43,9 @@ counts as reading it, and each field it holds, in C. A field given to a library'
 function counts as read in C with what it holds: its entries (``torch.stack``) and
 its fields, and theirs (``json.dumps(vars(self.stats))``,
 ``operator.attrgetter("n")(self.stats)``); given to one that only iterates it
-(``enumerate``, ``zip``, ``sorted``), with its entries only. A library's code is not
+(``enumerate``, ``zip``, ``sorted``), with its entries only. What a method of the
+recipe's hands back stands for the fields it returns (``json.dumps(self.stats.snapshot())``
+with ``snapshot`` returning ``{"n": self.n}`` reads ``stats.n``). A library's code is not
 scanned itself. Such a read is taken as a
 read of the value whole: if batches change the value, it is named with what they
 may have computed from it. The same walk (:func:`reach`) tells which objects the
@@ -80,6 +82,8 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Seq
 from ddp_eval.state._field_flow import (
     CALLED,
     ENTRY,
+    RETURNED,
+    Argument,
     Iterated,
     comprehensions,
     given_to_calls,
@@ -87,6 +91,7 @@ from ddp_eval.state._field_flow import (
     label_of,
     parts,
     passed_functions,
+    returned,
     uses,
 )
 
@@ -282,17 +287,27 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
 
 def _held_callables(owner: Any, chain: Tuple[str, ...]) -> Iterator[Any]:
     """What ``chain`` (fields, then a callable's name) leads to from ``owner``: a field's
-    value, or a method of its class (found statically: no property runs)."""
+    value, or a method of its class (found statically: no property runs); if it
+    ends with ``[*]``, each entry of the container there."""
+    if chain[-1] == ENTRY:
+        yield from values_at(owner, chain)
+        return
     for value in values_at(owner, chain[:-1]):
         yield fields_of(value).get(chain[-1], inspect.getattr_static(type(value), chain[-1], None))
 
 
-def _expand(owner: Any, path: Sequence[str]) -> List[Tuple[str, ...]]:
+def _expand(owner: Any, path: Sequence[str], depth: int = _DEPTH) -> List[Tuple[str, ...]]:
     """``path`` with each ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`) replaced
-    by each field held there, and ``**`` (:data:`BELOW`) by the place itself and each
-    place below it (:func:`_below`)."""
+    by each field held there, ``**`` (:data:`BELOW`) by the place itself and each
+    place below it (:func:`_below`), and ``name()`` by what that method of the
+    recipe's hands back (:func:`_handed_back_by`), ``depth`` methods deep."""
     found: List[Tuple[str, ...]] = [()]
-    for part in path:
+    for at, part in enumerate(path):
+        if part.endswith(RETURNED):
+            return list(dict.fromkeys(
+                expanded for place in found for handed in _handed_back_by(owner, place, part[:-len(RETURNED)])
+                for expanded in _expand(owner, parts(label_of((*place, *parts(handed), *path[at + 1:]))), depth - 1)
+            )) if depth else []
         if part == BELOW:
             found = [(*place, *below) for place in found for below in _below(values_at(owner, place))]
             continue
@@ -301,6 +316,23 @@ def _expand(owner: Any, path: Sequence[str]) -> List[Tuple[str, ...]]:
                           if _matches(name, part))
             if part.startswith("{") else (part,))]
     return found
+
+
+def _handed_back_by(owner: Any, place: Sequence[str], name: str) -> Set[str]:
+    """The paths, from the values at ``place``, of what their method ``name`` hands
+    back (``""``: the value itself), if it is the recipe's
+    (:func:`~ddp_eval.state._field_flow.returned`); none for a library's."""
+    found: Set[str] = set()
+    for value in values_at(owner, place):
+        method = inspect.unwrap(inspect.getattr_static(type(value), name, None))
+        if _the_recipes(method) and method.__code__.co_argcount:
+            found |= _returned_by(method)
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _returned_by(method: types.FunctionType) -> FrozenSet[str]:
+    return returned(method.__code__, method.__code__.co_varnames[:1])
 
 
 BELOW = "**"  # in a path: the value and what it holds, its fields' and entries' too, up to _BELOW_DEPTH down
@@ -392,30 +424,43 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
-        given_to: Dict[Any, Set[str]] = collections.defaultdict(set)  # a module's function -> the fields it is given
-        for names, path, itself in given_to_calls(code, selves, iterated):  # torch.stack(self.losses)
+        given_to: Dict[Any, Dict[Optional[str], Set[str]]] = collections.defaultdict(  # a module's function ->
+            lambda: collections.defaultdict(set))  # its parameter (None: not known) -> the fields given to it
+        for names, path, itself, argument in given_to_calls(code, selves, iterated):  # torch.stack(self.losses)
             if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
                 held.add((names[1:], path, itself))
             elif _a_librarys_reader(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))
             elif _the_recipes(taker) and itself:  # not meter in meter.update(value(b))
-                given_to[taker].add(path)
+                given_to[taker][_parameter(taker, argument)].add(path)
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
             for inner, looped in _with_nested(nested, parameters):
                 found, called = _as_given(*uses(inner, parameters, looped)[:2], passed)
                 reads, calls = reads | found, calls | called
         for module_function, called_here in _module_functions(instructions, function.__globals__).items():
-            passed = given_to[module_function] if called_here else given  # else map(update, ...): any given
+            code_of = module_function.__code__
+            parameters = code_of.co_varnames[:code_of.co_argcount + code_of.co_kwonlyargcount]
+            by_parameter = given_to[module_function] if called_here else {None: given}  # map(update, ...): any
             if not depth:  # deeper than the scan goes: what it is given counts as read in C, with what it holds
-                reads |= {_in_c(path, True) for path in passed}
+                reads |= {_in_c(path, True) for passed in by_parameter.values() for path in passed}
                 continue
-            parameters = module_function.__code__.co_varnames[:module_function.__code__.co_argcount]
-            found, called, more, _, _ = _scan_function(module_function, parameters if passed else (), depth - 1)
-            named |= more
-            found, called = _as_given(found, called, passed)
-            reads, calls = reads | found, calls | called
+            for parameter, passed in by_parameter.items() or {None: set()}.items():  # each parameter given a field
+                selves_there = (parameter,) if parameter else parameters if passed else ()  # not known: any
+                found, called, more, _, _ = _scan_function(module_function, selves_there, depth - 1)
+                named |= more
+                found, called = _as_given(found, called, passed)
+                reads, calls = reads | found, calls | called
     return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives), frozenset(held)
+
+
+def _parameter(function: types.FunctionType, argument: Argument) -> Optional[str]:
+    """The parameter of ``function`` a call's ``argument`` (:func:`~ddp_eval.state._field_flow.given_to_calls`)
+    binds, or None if not known (``*args``, ``**kwargs``)."""
+    code = function.__code__
+    if isinstance(argument, int):
+        return code.co_varnames[argument] if argument < code.co_argcount else None
+    return argument if argument in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] else None
 
 
 def _in_c(path: str, whole: bool) -> str:

@@ -25,7 +25,7 @@ import collections
 import dis
 import re
 import types
-from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
 
 from ddp_eval.state._select import JUMPS, choice_at, stack_effect
 
@@ -33,6 +33,7 @@ ENTRY = "[*]"  # in a path: any entry of a container
 ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: any whose name matches
 HELD = "[^]"  # in a path: a display holding the value (``(self.a, self.b)``: ``a[^]``); ``a[^][*]`` is ``a``
 CALLED = "()"  # as a method's name: the value itself is called (``self.handlers[k](x)``)
+RETURNED = "()"  # ending a path's part: what that method hands back (``stats.snapshot()``)
 _OPERATORS = ("BINARY_OP", "COMPARE_OP")
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
 _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflected method (an int's: its own)
@@ -48,6 +49,7 @@ Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (whe
 Iterated = Tuple[FrozenSet[str], bool]  # what a comprehension's entries stand for; whether they are items() pairs
 _COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
+Argument = Union[int, str, None]  # a call's argument: by position, by keyword, or not known (``*args``)
 
 
 def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
@@ -67,18 +69,22 @@ def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (fr
 
 
 def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
-                   ) -> Set[Tuple[Tuple[str, ...], str, bool]]:
+                   ) -> Set[Tuple[Tuple[str, ...], str, bool, Argument]]:
     """(the names that load a call's callable from a global, ``("torch", "stack")``,
-    or from one of ``selves``, ``("self", "hparams", "dump")``; the path of a field
+    or from one of ``selves``, ``("self", "hparams", "dump")``, ``("self", "handlers",
+    "[*]")`` for an entry of a container; the path of a field
     given to it; whether the field itself is given, not what a method of it hands
-    back) of each field ``code`` gives to such a call.
+    back; the argument it is, :func:`_argument_at`) of each field ``code`` gives to
+    such a call.
 
     Example
     -------
     >>> def f(self):
-    ...     return torch.stack(self.losses).mean() + len(self.ids) + json.dumps(self.stats.snapshot())
-    >>> sorted(given_to_calls(f.__code__, ("self",)))
-    [(('json', 'dumps'), 'stats', False), (('len',), 'ids', True), (('torch', 'stack'), 'losses', True)]
+    ...     return torch.stack(self.losses).mean() + len(self.ids) + json.dumps(self.stats.snapshot(), indent=self.n)
+    >>> sorted(given_to_calls(f.__code__, ("self",)))  # doctest: +NORMALIZE_WHITESPACE
+    [(('json', 'dumps'), 'n', True, 'indent'), (('json', 'dumps'), 'stats', False, 0),
+     (('json', 'dumps'), 'stats.snapshot()', True, 0), (('len',), 'ids', True, 0),
+     (('torch', 'stack'), 'losses', True, 0)]
     """
     instructions = list(dis.get_instructions(code))
     found = set()
@@ -87,14 +93,31 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
               if len(selves) == 1 and instruction.opname in _SELF_LOADS and instruction.argval in selves
               and instructions[at + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")}  # of several, which is not known
     for end, (start, paths) in {**itself, **loads}.items():
-        taker = _taker(instructions, end)
+        taker, above = _take(instructions, end)
         if taker is None or not _is_argument(instructions, taker) or _is_choice(code, instructions, taker):
             continue  # min(s, self.low) stored back: a choice the merge replays
         call = taker + 1 if instructions[taker].opname == "PRECALL" else taker
-        names = _from_a_global(instructions, _callee(instructions, start, call), selves)
-        if names:
-            found |= {(names, plain(path), not _handed_back(instructions, end)) for path in paths}
+        callee = _callee(instructions, start, call)
+        names = _from_a_global(instructions, callee, selves)
+        held = [(selves[0], *parts(plain(path))) for path in loads[callee][1] if path.endswith(ENTRY)] if (
+            callee in loads and not names) else []  # self.handlers["dump"](self.stats): an entry it holds
+        argument = _argument_at(code, instructions, taker, above)
+        found |= {(callable_, plain(path), not _handed_back(instructions, end), argument)
+                  for callable_ in ([names] if names else held) for path in paths}
     return found
+
+
+def _argument_at(code: types.CodeType, instructions: List[dis.Instruction], taker: int, above: int) -> Argument:
+    """Which argument of the call whose ``PRECALL`` is at ``taker`` a value ``above``
+    (:func:`_take`) from the top is: its position (``dump(self.stats, 2)``: 0), its
+    keyword (``dump(indent=2, stats=self.stats)``: ``"stats"``), or None (``*args``)."""
+    if instructions[taker].opname != "PRECALL":
+        return None
+    count, keywords = instructions[taker].arg, ()
+    if taker and instructions[taker - 1].opname == "KW_NAMES":
+        keywords = code.co_consts[instructions[taker - 1].arg]
+    position = count - above
+    return keywords[position - (count - len(keywords))] if position >= count - len(keywords) else position
 
 
 def is_called(instructions: List[dis.Instruction], at: int) -> bool:
@@ -123,9 +146,10 @@ def _handed_back(instructions: List[dis.Instruction], end: int) -> bool:
 
 def _callee(instructions: List[dis.Instruction], start: int, call: int) -> Optional[int]:
     """The index of the instruction before ``start`` that pushes what ``call`` calls:
-    a load, or a call that makes it."""
+    a load, a call that makes it, or a subscript that takes it from a container."""
     return next((i for i in range(start - 1, -1, -1) if instructions[i].opname in (
-        "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST") and _taker(instructions, i) == call), None)
+        "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST", "BINARY_SUBSCR")
+        and _taker(instructions, i) == call), None)
 
 
 def _from_a_global(instructions: List[dis.Instruction], at: Optional[int], selves: Tuple[str, ...]
@@ -295,8 +319,8 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
     pick(self.meters)``, ``m = self.meters.get(k)``: ``meters`` and ``meters[*]``)."""
     def chains(starts: Dict[int, FrozenSet[str]]) -> Loads:
         found = {}
-        for start, paths in starts.items():
-            end = start
+        for begin, paths in starts.items():
+            start, end = origins.get(begin, begin), begin
             while True:
                 while end + 1 < len(instructions) and instructions[end + 1].opname == "LOAD_ATTR":
                     end += 1
@@ -318,6 +342,7 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
     looped = _loop_variables(instructions, iterated)  # a comprehension's: the entries of what it loops over
     aliases: Dict[str, FrozenSet[str]] = dict(looped)
     fetched: Dict[int, FrozenSet[str]] = {}
+    origins: Dict[int, int] = {}  # a method's call -> where the load of its object starts
     for _ in range(8):  # a local bound to a local bound to a field, too
         through = {i: aliases[instruction.argval] for i, instruction in enumerate(instructions)
                    if instruction.opname == "LOAD_FAST" and instruction.argval in aliases}
@@ -325,6 +350,9 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         loads = {**_displays(instructions, loads), **loads}
         fetched = {call: frozenset(f"{path}.{name}" if path else name for path in paths)
                    for call, (_, paths, name) in _getattrs(instructions, loads, selves).items()}
+        returning = _method_results(instructions, loads, selves)
+        origins = {call: start for call, (start, _) in returning.items()}
+        fetched.update({call: paths for call, (_, paths) in returning.items()})
         bound: Dict[str, Set[str]] = collections.defaultdict(set, {name: set(paths) for name, paths in looped.items()})
         for end, (start, paths) in loads.items():
             for name, entry in _bound_to(instructions, start, end):
@@ -333,6 +361,43 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
             return loads
         aliases = {name: frozenset(paths) for name, paths in bound.items()}
     return loads
+
+
+def _method_results(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Loads:
+    """What a method of ``self`` or of a field hands back (``self.stats.snapshot()``:
+    ``stats.snapshot()``, :data:`RETURNED`), but a view's (``get``, ``values``: followed
+    as the value's entries): index of its ``CALL`` -> (where the object's load
+    starts, the paths)."""
+    found = {}
+    for end, paths in _pushed(instructions, loads, selves).items():
+        call = _method_call(instructions, end) if end + 1 < len(instructions) and instructions[
+            end + 1].argval not in _VIEWS else None
+        if call is not None:
+            start = loads[end][0] if end in loads else end
+            name = instructions[end + 1].argval + RETURNED
+            found[call] = (start, frozenset(f"{path}.{name}" if path else name for path in paths))
+    return found
+
+
+def returned(code: types.CodeType, selves: Tuple[str, ...]) -> FrozenSet[str]:
+    """The paths of the fields of ``selves`` (``""``: the object itself) that ``code``
+    returns, as they are held (``return {"n": self.n}``: ``n[^]``).
+
+    Example
+    -------
+    >>> def snapshot(self):
+    ...     total = self.total
+    ...     return {"n": self.n, "total": total} if self.n else self.empty()
+    >>> sorted(returned(snapshot.__code__, ("self",)))
+    ['empty()', 'n[^]', 'total[^]']
+    """
+    instructions = list(dis.get_instructions(code))
+    pushed = _pushed(instructions, _attribute_loads(instructions, selves), selves)
+    return frozenset(path for end, paths in pushed.items()
+                     if (paths != {""} or instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD"))
+                     and _holder(instructions, end) is None  # {"n": self.n}: the display's path, n[^]
+                     and (taker := _taker(instructions, end)) is not None
+                     and instructions[taker].opname == "RETURN_VALUE" for path in paths)
 
 
 def _displays(instructions: List[dis.Instruction], loads: Loads) -> Loads:
