@@ -81,6 +81,10 @@ class DumpedCount(Count):
         return {"count": self.count}
 
 
+def _count_of(tally):  # a module's function handing back a dict holding the count it is given
+    return {"count": tally.count}
+
+
 def _dump_with(tally, indent):  # a module's function with two parameters, one given to a library's function
     return json.dumps(vars(tally), indent=indent)
 
@@ -307,6 +311,7 @@ class Brain:
         self.stacked = []  # a list of tensors torch.stack takes the entries of in C
         self.j_tally, self.o_tally, self.h_tally = Count(), Count(), Count()  # fields a library's function reads
         self.w_dumped, self.z_dumped, self.y_tally, self.i_tally = DumpedCount(), DumpedCount(), Count(), Count()
+        self.a_tally = Count()
         self.dumpers = {"json": functools.partial(json.dumps, default=vars)}  # a library's function in a dict
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
@@ -391,6 +396,9 @@ class Brain:
         elif read == "returned":
             self.z_dumped.count += 1
             self.c_reads.append(json.dumps(self.z_dumped.snapshot()))
+        elif read == "function returned":
+            self.a_tally.count += 1
+            self.c_reads.append(json.dumps(_count_of(self.a_tally)))
         elif read == "library in a dict":
             self.i_tally.count += 1
             self.c_reads.append(self.dumpers["json"](self.i_tally))
@@ -435,6 +443,7 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C of vars(self) by a held object's method": "vars of self",
     "read in C by a helper's parameter given to a library's function": "positional",
     "read in C of what a method of the recipe's hands back": "returned",
+    "read in C of what a function of the recipe's hands back": "function returned",
     "read in C by a library's function held in a dict": "library in a dict"}
 
 

@@ -807,6 +807,19 @@ class ReturnedComputed(ReturnedInC):
         return b / 2
 
 
+def _snapshot(stats, digits=None):  # a helper of the recipe's handing back a dict of the numbers it is given
+    return _snapshot_of(stats) if digits is None else {"count": round(stats.count, digits)}
+
+
+def _snapshot_of(stats):
+    return {"count": stats.count, "total": stats.total}
+
+
+class FunctionReturnedInC(FieldsInC):
+    def _read(self, b):  # a library's function given what a module's function hands back, two functions deep
+        self.late.append(json.dumps(_snapshot(self.stats)))
+
+
 class HandlersInC(FieldsInC):
     def __init__(self):
         super().__init__()
@@ -840,13 +853,14 @@ class CheckedOnly(FieldsInC):
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, GotInC, LocalInC,
                                     MethodInC, HeldInC, PositionalInC, KeywordInC, ReturnedInC, ReturnedOperand,
-                                    HandlersInC, UnchangedInC, CheckedOnly, Converted, ReturnedComputed])
+                                    FunctionReturnedInC, HandlersInC, UnchangedInC, CheckedOnly, Converted,
+                                    ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
     """``json.dumps(vars(self.stats))`` reads ``stats.count`` in C, where no probe sees:
     on a rank it reads that rank's count. Named, with what it computed, however the
     library's function is found (a global, a call's product, a local, ``hparams``, a
     dict's entry), five calls down, two objects below, through a helper's parameter
-    matched by position or keyword, or what a method of the recipe's hands back;
+    matched by position or keyword, or what a method or function of the recipe's hands back;
     fields no batch changes, an object given to ``isinstance`` or only iterated, a
     helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},

@@ -151,6 +151,7 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
                                        "read in C of vars(self) by a held object's method",
                                        "read in C by a helper's parameter given to a library's function",
                                        "read in C of what a method of the recipe's hands back",
+                                       "read in C of what a function of the recipe's hands back",
                                        "read in C by a library's function held in a dict"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held

@@ -82,11 +82,13 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Seq
 from ddp_eval.state._field_flow import (
     CALLED,
     ENTRY,
+    FUNCTION,
     RETURNED,
     Argument,
     Iterated,
     comprehensions,
     given_to_calls,
+    instructions_of,
     is_called,
     label_of,
     parts,
@@ -330,9 +332,8 @@ def _handed_back_by(owner: Any, place: Sequence[str], name: str) -> Set[str]:
     return found
 
 
-@functools.lru_cache(maxsize=1024)
 def _returned_by(method: types.FunctionType) -> FrozenSet[str]:
-    return returned(method.__code__, method.__code__.co_varnames[:1])
+    return _returned_of(method, method.__code__.co_varnames[0], _DEPTH)
 
 
 BELOW = "**"  # in a path: the value and what it holds, its fields' and entries' too, up to _BELOW_DEPTH down
@@ -419,7 +420,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
     calls: Set[Tuple[Tuple[str, ...], str]] = set()
     named, gives, held = set(), set(), set()
     for code, iterated in _with_nested(function.__code__, selves):
-        instructions = list(dis.get_instructions(code))
+        instructions = instructions_of(code)
         named |= {(function, instruction.argval) for instruction in instructions
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
@@ -451,7 +452,42 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                 named |= more
                 found, called = _as_given(found, called, passed)
                 reads, calls = reads | found, calls | called
-    return frozenset(reads), frozenset(calls), frozenset(named), frozenset(gives), frozenset(held)
+    here = function.__globals__  # what functions of its module hand back: @snapshot#0()
+    return (frozenset(_through_functions(reads, here)),
+            frozenset((parts(label), method) for fields, method in calls
+                      for label in _through_functions({label_of(fields)}, here)),
+            frozenset(named), frozenset(_through_functions(gives, here)),
+            frozenset((chain, label, itself) for chain, path, itself in held
+                      for label in _through_functions({path}, here)))
+
+
+def _through_functions(labels: Iterable[str], globals_: Dict[str, Any], depth: int = _DEPTH) -> Set[str]:
+    """``labels`` with each part standing for what a function hands back
+    (:func:`~ddp_eval.state._field_flow.function_result`) replaced by the paths it
+    returns of the value given, for a function of the recipe's (``snapshot(stats)``
+    returning ``{"n": stats.n}``: ``stats.n``), ``depth`` functions deep; a label
+    through a library's function (``sorted``, ``len``) stands for nothing."""
+    found: Set[str] = set()
+    for label in labels:
+        path = parts(label)
+        at = next((i for i, part in enumerate(path) if part.startswith(FUNCTION)), None)
+        if at is None:
+            found.add(label)
+            continue
+        name, argument = path[at][len(FUNCTION):-len(RETURNED)].rsplit("#", 1)
+        function = _resolve((name,), globals_)
+        parameter = _parameter(function, int(argument) if argument.isdigit() else argument) if (
+            _the_recipes(function) and depth) else None
+        for handed in _returned_of(function, parameter, depth - 1) if parameter else ():
+            found |= _through_functions({label_of((*path[:at], *parts(handed), *path[at + 1:]))}, globals_, depth - 1)
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _returned_of(function: types.FunctionType, parameter: str, depth: int) -> FrozenSet[str]:
+    """What ``function`` returns of its ``parameter``
+    (:func:`~ddp_eval.state._field_flow.returned`), through its module's functions."""
+    return frozenset(_through_functions(returned(function.__code__, (parameter,)), function.__globals__, depth))
 
 
 def _parameter(function: types.FunctionType, argument: Argument) -> Optional[str]:

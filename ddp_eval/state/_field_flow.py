@@ -23,6 +23,7 @@ Example
 
 import collections
 import dis
+import functools
 import re
 import types
 from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
@@ -34,6 +35,7 @@ ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: a
 HELD = "[^]"  # in a path: a display holding the value (``(self.a, self.b)``: ``a[^]``); ``a[^][*]`` is ``a``
 CALLED = "()"  # as a method's name: the value itself is called (``self.handlers[k](x)``)
 RETURNED = "()"  # ending a path's part: what that method hands back (``stats.snapshot()``)
+FUNCTION = "@"  # starting such a part: a function's, given the value (``stats.@snapshot#0()``)
 _OPERATORS = ("BINARY_OP", "COMPARE_OP")
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
 _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflected method (an int's: its own)
@@ -52,6 +54,14 @@ Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, it
 Argument = Union[int, str, None]  # a call's argument: by position, by keyword, or not known (``*args``)
 
 
+@functools.lru_cache(maxsize=4096)
+def instructions_of(code: types.CodeType) -> Sequence[dis.Instruction]:
+    """``code``'s instructions, decoded once; a ``KW_NAMES``'s ``argval`` is the
+    keywords' names (Python 3.11's ``dis`` leaves it unknown)."""
+    return tuple(instruction._replace(argval=code.co_consts[instruction.arg])
+                 if instruction.opname == "KW_NAMES" else instruction for instruction in dis.get_instructions(code))
+
+
 def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
          ) -> Tuple[Set[str], Calls, Set[str]]:
     """(paths read in C, methods called, paths given to calls: ``""`` for ``self``
@@ -60,7 +70,7 @@ def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (fr
     says what its loop's variable stands for."""
     if not selves:
         return set(), set(), set()
-    instructions = list(dis.get_instructions(code))
+    instructions = instructions_of(code)
     loads = _attribute_loads(instructions, selves, iterated)
     reads = _right_operands(instructions, loads) | _call_arguments(code, instructions, loads, selves) | _indices(
         instructions, loads)
@@ -86,7 +96,7 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
      (('json', 'dumps'), 'stats.snapshot()', True, 0), (('len',), 'ids', True, 0),
      (('torch', 'stack'), 'losses', True, 0)]
     """
-    instructions = list(dis.get_instructions(code))
+    instructions = instructions_of(code)
     found = set()
     loads = _attribute_loads(instructions, selves, iterated)
     itself = {at: (at, frozenset({""})) for at, instruction in enumerate(instructions[:-1])  # vars(self)
@@ -101,13 +111,13 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
         names = _from_a_global(instructions, callee, selves)
         held = [(selves[0], *parts(plain(path))) for path in loads[callee][1] if path.endswith(ENTRY)] if (
             callee in loads and not names) else []  # self.handlers["dump"](self.stats): an entry it holds
-        argument = _argument_at(code, instructions, taker, above)
+        argument = _argument_at(instructions, taker, above)
         found |= {(callable_, plain(path), not _handed_back(instructions, end), argument)
                   for callable_ in ([names] if names else held) for path in paths}
     return found
 
 
-def _argument_at(code: types.CodeType, instructions: List[dis.Instruction], taker: int, above: int) -> Argument:
+def _argument_at(instructions: List[dis.Instruction], taker: int, above: int) -> Argument:
     """Which argument of the call whose ``PRECALL`` is at ``taker`` a value ``above``
     (:func:`_take`) from the top is: its position (``dump(self.stats, 2)``: 0), its
     keyword (``dump(indent=2, stats=self.stats)``: ``"stats"``), or None (``*args``)."""
@@ -115,7 +125,7 @@ def _argument_at(code: types.CodeType, instructions: List[dis.Instruction], take
         return None
     count, keywords = instructions[taker].arg, ()
     if taker and instructions[taker - 1].opname == "KW_NAMES":
-        keywords = code.co_consts[instructions[taker - 1].arg]
+        keywords = instructions[taker - 1].argval
     position = count - above
     return keywords[position - (count - len(keywords))] if position >= count - len(keywords) else position
 
@@ -202,7 +212,7 @@ def passed_functions(code: types.CodeType, selves: Tuple[str, ...], iterated: It
               if isinstance(constant, types.CodeType) and constant.co_name not in _COMPREHENSIONS]
     if not nested or not selves:
         return {}
-    instructions = list(dis.get_instructions(code))
+    instructions = instructions_of(code)
     loads = _attribute_loads(instructions, selves, iterated)
     taken = {end: _taker(instructions, end) for end in loads}
 
@@ -268,7 +278,7 @@ def comprehensions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
     """
     if not any(isinstance(c, types.CodeType) and c.co_name in _COMPREHENSIONS for c in code.co_consts):
         return {}
-    instructions = list(dis.get_instructions(code))
+    instructions = instructions_of(code)
     loads = _attribute_loads(instructions, selves, iterated)
     found: Dict[types.CodeType, Iterated] = {}
     for at, instruction in enumerate(instructions[:-1]):
@@ -350,9 +360,9 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         loads = {**_displays(instructions, loads), **loads}
         fetched = {call: frozenset(f"{path}.{name}" if path else name for path in paths)
                    for call, (_, paths, name) in _getattrs(instructions, loads, selves).items()}
-        returning = _method_results(instructions, loads, selves)
+        returning = {**_function_results(instructions, loads, selves), **_method_results(instructions, loads, selves)}
         origins = {call: start for call, (start, _) in returning.items()}
-        fetched.update({call: paths for call, (_, paths) in returning.items()})
+        fetched = {**{call: paths for call, (_, paths) in returning.items()}, **fetched}  # getattr: the field
         bound: Dict[str, Set[str]] = collections.defaultdict(set, {name: set(paths) for name, paths in looped.items()})
         for end, (start, paths) in loads.items():
             for name, entry in _bound_to(instructions, start, end):
@@ -379,6 +389,34 @@ def _method_results(instructions: List[dis.Instruction], loads: Loads, selves: T
     return found
 
 
+def _function_results(instructions: Sequence[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Loads:
+    """What a function loaded from a global hands back, given ``self`` or a field
+    (``snapshot(self.stats, 2)``: ``stats.@snapshot#0()``, :func:`function_result`):
+    index of its ``CALL`` -> (where the call starts, the paths)."""
+    found: Dict[int, Tuple[int, Set[str]]] = {}
+    for end, paths in _pushed(instructions, loads, selves).items():
+        if paths == {""} and instructions[end + 1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            continue  # self's field, not self itself
+        taker, above = _take(instructions, end)
+        if taker is None or instructions[taker].opname != "PRECALL" or not _is_argument(instructions, taker):
+            continue
+        start = loads[end][0] if end in loads else end
+        callee = _callee(instructions, start, taker + 1)
+        argument = _argument_at(instructions, taker, above)
+        if callee is None or instructions[callee].opname != "LOAD_GLOBAL" or argument is None or _handed_back(
+                instructions, end):
+            continue
+        name = function_result(instructions[callee].argval, argument)
+        found.setdefault(taker + 1, (callee, set()))[1].update(f"{path}.{name}" if path else name for path in paths)
+    return {call: (start, frozenset(paths)) for call, (start, paths) in found.items()}
+
+
+def function_result(name: str, argument: Union[int, str]) -> str:
+    """A path's part standing for what the function ``name`` (a global) hands back of
+    the value given as its ``argument`` (``@snapshot#0()``)."""
+    return f"{FUNCTION}{name}#{argument}{RETURNED}"
+
+
 def returned(code: types.CodeType, selves: Tuple[str, ...]) -> FrozenSet[str]:
     """The paths of the fields of ``selves`` (``""``: the object itself) that ``code``
     returns, as they are held (``return {"n": self.n}``: ``n[^]``).
@@ -391,7 +429,7 @@ def returned(code: types.CodeType, selves: Tuple[str, ...]) -> FrozenSet[str]:
     >>> sorted(returned(snapshot.__code__, ("self",)))
     ['empty()', 'n[^]', 'total[^]']
     """
-    instructions = list(dis.get_instructions(code))
+    instructions = instructions_of(code)
     pushed = _pushed(instructions, _attribute_loads(instructions, selves), selves)
     return frozenset(path for end, paths in pushed.items()
                      if (paths != {""} or instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD"))
