@@ -14,6 +14,7 @@ import pytest
 import torch
 from speechbrain.utils.metric_stats import MetricStats
 
+import tests.test_c_reads
 from ddp_eval.state._c_reads import read_in_c, read_in_c_of, values_at
 from ddp_eval.state._field_flow import parts, uses
 from tests.test_attribute_tracking import simulate
@@ -808,7 +809,7 @@ class ReturnedComputed(ReturnedInC):
 
 
 def _snapshot(stats, digits=None):  # a helper of the recipe's handing back a dict of the numbers it is given
-    return _snapshot_of(stats) if digits is None else {"count": round(stats.count, digits)}
+    return tests.test_c_reads._snapshot_of(stats) if digits is None else {"count": round(stats.count, digits)}
 
 
 def _snapshot_of(stats):

@@ -475,7 +475,7 @@ def _through_functions(labels: Iterable[str], globals_: Dict[str, Any], depth: i
             found.add(label)
             continue
         name, argument = path[at][len(FUNCTION):-len(RETURNED)].rsplit("#", 1)
-        function = _resolve((name,), globals_)
+        function = _resolve(name.split(":"), globals_)
         parameter = _parameter(function, int(argument) if argument.isdigit() else argument) if (
             _the_recipes(function) and depth) else None
         for handed in _returned_of(function, parameter, depth - 1) if parameter else ():

@@ -403,18 +403,30 @@ def _function_results(instructions: Sequence[dis.Instruction], loads: Loads, sel
         start = loads[end][0] if end in loads else end
         callee = _callee(instructions, start, taker + 1)
         argument = _argument_at(instructions, taker, above)
-        if callee is None or instructions[callee].opname != "LOAD_GLOBAL" or argument is None or _handed_back(
-                instructions, end):
+        names = _global_chain(instructions, callee)
+        if not names or argument is None or _handed_back(instructions, end):
             continue
-        name = function_result(instructions[callee].argval, argument)
-        found.setdefault(taker + 1, (callee, set()))[1].update(f"{path}.{name}" if path else name for path in paths)
+        name = function_result(names, argument)
+        found.setdefault(taker + 1, (callee - len(names) + 1, set()))[1].update(
+            f"{path}.{name}" if path else name for path in paths)
     return {call: (start, frozenset(paths)) for call, (start, paths) in found.items()}
 
 
-def function_result(name: str, argument: Union[int, str]) -> str:
-    """A path's part standing for what the function ``name`` (a global) hands back of
-    the value given as its ``argument`` (``@snapshot#0()``)."""
-    return f"{FUNCTION}{name}#{argument}{RETURNED}"
+def _global_chain(instructions: Sequence[dis.Instruction], at: Optional[int]) -> Tuple[str, ...]:
+    """The names loading the callable pushed ``at`` from a global and its attributes
+    only (``snapshot``, ``helpers.snapshot``), or ``()``."""
+    names: List[str] = []
+    while at is not None and at >= 0 and instructions[at].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        names, at = [instructions[at].argval, *names], at - 1
+    return (instructions[at].argval, *names) if at is not None and at >= 0 and instructions[
+        at].opname == "LOAD_GLOBAL" else ()
+
+
+def function_result(names: Sequence[str], argument: Union[int, str]) -> str:
+    """A path's part standing for what the function ``names`` load (a global and its
+    attributes) hands back of the value given as its ``argument``
+    (``@snapshot#0()``, ``@helpers:snapshot#stats()``)."""
+    return f"{FUNCTION}{':'.join(names)}#{argument}{RETURNED}"
 
 
 def returned(code: types.CodeType, selves: Tuple[str, ...]) -> FrozenSet[str]:
