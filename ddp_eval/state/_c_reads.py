@@ -324,16 +324,16 @@ def _handed_back_by(owner: Any, place: Sequence[str], name: str) -> Set[str]:
     """The paths, from the values at ``place``, of what their method ``name`` hands
     back (``""``: the value itself), if it is the recipe's
     (:func:`~ddp_eval.state._field_flow.returned`); none for a library's."""
-    found: Set[str] = set()
-    for value in values_at(owner, place):
-        method = inspect.unwrap(inspect.getattr_static(type(value), name, None))
-        if _the_recipes(method) and method.__code__.co_argcount:
-            found |= _returned_by(method)
-    return found
+    classes = {type(value) for value in values_at(owner, place)}
+    return set().union(*(_handed_back_by_class(cls, name) for cls in classes))
 
 
-def _returned_by(method: types.FunctionType) -> FrozenSet[str]:
-    return _returned_of(method, method.__code__.co_varnames[0], _DEPTH)
+@functools.lru_cache(maxsize=1024)
+def _handed_back_by_class(cls: type, name: str) -> FrozenSet[str]:
+    method = inspect.unwrap(inspect.getattr_static(cls, name, None))
+    if _the_recipes(method) and method.__code__.co_argcount:
+        return _returned_of(method, method.__code__.co_varnames[0], _DEPTH)
+    return frozenset()
 
 
 BELOW = "**"  # in a path: the value and what it holds, its fields' and entries' too, up to _BELOW_DEPTH down
@@ -397,7 +397,7 @@ def _implementations(owner_class: type, name: str) -> List[types.FunctionType]:
         if not isinstance(function, types.FunctionType):
             continue
         found.append(function)
-        if not _calls_super(list(dis.get_instructions(function)), name):
+        if not _calls_super(instructions_of(function.__code__), name):
             break
     return found
 

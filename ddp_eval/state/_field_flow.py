@@ -23,12 +23,11 @@ Example
 
 import collections
 import dis
-import functools
 import re
 import types
 from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
 
-from ddp_eval.state._select import JUMPS, choice_at, stack_effect
+from ddp_eval.state._select import JUMPS, choice_at, instructions_of, stack_effect
 
 ENTRY = "[*]"  # in a path: any entry of a container
 ANY = "{*}"  # in a path: any field (``getattr(self, name)``); ``{_batch_*}``: any whose name matches
@@ -52,14 +51,6 @@ Iterated = Tuple[FrozenSet[str], bool]  # what a comprehension's entries stand f
 _COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 Argument = Union[int, str, None]  # a call's argument: by position, by keyword, or not known (``*args``)
-
-
-@functools.lru_cache(maxsize=4096)
-def instructions_of(code: types.CodeType) -> Sequence[dis.Instruction]:
-    """``code``'s instructions, decoded once; a ``KW_NAMES``'s ``argval`` is the
-    keywords' names (Python 3.11's ``dis`` leaves it unknown)."""
-    return tuple(instruction._replace(argval=code.co_consts[instruction.arg])
-                 if instruction.opname == "KW_NAMES" else instruction for instruction in dis.get_instructions(code))
 
 
 def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)

@@ -30,7 +30,7 @@ import builtins
 import dis
 import functools
 from types import CodeType, FrameType
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 CHOICES = ("max", "min")
 JUMPS = frozenset(dis.hasjrel + dis.hasjabs)
@@ -50,8 +50,16 @@ def stored_choice(frame: FrameType) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=4096)
+def instructions_of(code: CodeType) -> Sequence[dis.Instruction]:
+    """``code``'s instructions, decoded once; a ``KW_NAMES``'s ``argval`` is the
+    keywords' names (Python 3.11's ``dis`` leaves it unknown)."""
+    return tuple(instruction._replace(argval=code.co_consts[instruction.arg])
+                 if instruction.opname == "KW_NAMES" else instruction for instruction in dis.get_instructions(code))
+
+
+@functools.lru_cache(maxsize=4096)
 def choice_at(code: CodeType, offset: int) -> Optional[Tuple[str, str]]:
-    instructions = list(dis.get_instructions(code))
+    instructions = instructions_of(code)
     at = next((i for i, instruction in enumerate(instructions) if instruction.offset == offset), None)
     if at is None or instructions[at].opname != "CALL" or instructions[at].arg != 2:
         return None
