@@ -40,6 +40,11 @@ rank, returning what ``on_stage_end`` saw.
   of recent ids, a count read from accumulated state (``len(self.scores)``), and (issue
   37) metric objects whose lists are sorted and cut, inserted into, trimmed, or appended
   after a read of their length: named.
+* ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
+  written per batch by ``json.dumps`` of what its method hands back, by a helper given
+  it with a second parameter, and by ``json.dumps`` held in a dict of ``hparams``:
+  ``json.dumps`` reads its numbers in C, on a rank its own batches' only. The
+  accumulator merges exactly; the summaries are named.
 
 VALID: 23 utterances at batch 3 (8 batches), 2 epochs; TEST: 4 at batch 2 (2 batches:
 at 3 ranks, rank 2 evaluates no TEST batch).
@@ -75,7 +80,7 @@ from tests import toy
 from tests.mp_harness import ddp_eval_messages
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
-            "unmergeable_code", "training_only", "outside_reads", "held_outside")
+            "unmergeable_code", "training_only", "outside_reads", "held_outside", "c_reads")
 
 
 def bleu_stats():
@@ -530,6 +535,40 @@ class PatternBrain(toy.ToyBrain):
         return {}
 
 
+    # -- c_reads: summaries json.dumps writes of an accumulator, per batch ---------------------
+
+    def _start_c_reads(self, stage):
+        self.loss_stats, self.by_method, self.by_helper, self.by_hparams = LossStats(), [], [], []
+
+    def _batch_c_reads(self, logits, labels, loss, batch, stage):
+        self.loss_stats.update(round(float(loss), 6))
+        self.by_method.append(json.dumps(self.loss_stats.snapshot()))  # what its method hands back
+        self.by_helper.append(_summary(self.loss_stats, None))  # a helper's first parameter
+        self.by_hparams.append(self.hparams.writers["json"](self.loss_stats))  # json.dumps in a dict
+
+    def _end_c_reads(self, stage, stage_loss, epoch):
+        return {"count": self.loss_stats.count, "total": self.loss_stats.total, "by_method": list(self.by_method),
+                "by_helper": list(self.by_helper), "by_hparams": list(self.by_hparams)}
+
+
+class LossStats:
+    """An accumulator of the recipe's own."""
+
+    def __init__(self):
+        self.count, self.total = 0, 0.0
+
+    def update(self, loss):
+        self.count += 1
+        self.total += loss
+
+    def snapshot(self):
+        return {"count": self.count, "total": self.total}
+
+
+def _summary(stats, indent):
+    return json.dumps(vars(stats), indent=indent)
+
+
 class DDPPatternBrain(ddp_eval.DDPEvalMixin, PatternBrain):
     """The same recipes, converted."""
 
@@ -551,6 +590,8 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
         brain.hparams.tally = types.SimpleNamespace(inner=types.SimpleNamespace(n=0))
     if pattern == "held_outside":
         brain.hparams.lists = {"kept": []}  # as a YAML's `lists: {kept: []}`
+    if pattern == "c_reads":
+        brain.hparams.writers = {"json": functools.partial(json.dumps, default=vars)}  # `!name:json.dumps` in a dict
     if pattern == "training_only":
         brain.hparams.speed_perturb = SpeedPerturb(orig_freq=8000, speeds=list(range(80, 121, 4)))
     return brain
