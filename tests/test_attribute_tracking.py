@@ -803,3 +803,56 @@ def test_a_number_no_batch_changes_appended_to_a_list_names_nothing(start):
     single, holders, merged = simulate(make, batch, [[0, 2, 4], [1, 3, 5]])
     assert not merged.assumed and not merged.conflicts
     assert all(vars(h) == vars(single) and type(h.items[-1]) is int for h in holders)
+
+
+_THROUGH_DATA = {  # a change of a rebuilt tensor through .data: no _version moves
+    "data.add_": lambda x, b: x.data.add_(1.0), "data +=": lambda x, b: x.data.__iadd__(float(b)),
+    "data.sub_": lambda x, b: x.data.sub_(0.5), "data.mul_": lambda x, b: x.data.mul_(2.0),
+    "data[0] =": lambda x, b: x.data.__setitem__(0, 100.0 * b), "data.fill_": lambda x, b: x.data.fill_(b),
+    "data.copy_": lambda x, b: x.data.copy_(torch.full_like(x, 7.0)), "data =": lambda x, b: setattr(x, "data", x * 2),
+    "data.dtype only": lambda x, b: x.data.dtype,
+    # other writes that move no _version: through NumPy, the storage, DLPack, .detach()
+    "numpy()[0] =": lambda x, b: x.numpy().__setitem__(0, 9.0 * b),
+    "numpy.asarray()[0] =": lambda x, b: np.asarray(x).__setitem__(0, 5.0 * b),
+    "untyped_storage().fill_": lambda x, b: x.untyped_storage().fill_(b),
+    "from_dlpack()[0] =": lambda x, b: torch.from_dlpack(x).__setitem__(0, 6.0 * b),
+    "detach().add_": lambda x, b: x.detach().add_(1.0)}
+
+
+@pytest.mark.parametrize("size", ["small", "too large to replay"])
+@pytest.mark.parametrize("rebuild", ["x = x + y", "torch.cat"])
+@pytest.mark.parametrize("write", sorted(_THROUGH_DATA))
+def test_a_rebuilt_tensor_changed_through_data_in_the_same_batch_is_named_at_any_size(write, rebuild, size,
+                                                                                       monkeypatch):
+    """``self.x = self.x + y`` then ``self.x.data.add_(1)``: the change moves no ``_version``
+    and no in-place record sees it; the replay of the rebuilds at stage end does, but
+    it ran only for tensors small enough (batches x elements under 2**24), so a large
+    one was merged as rebuilt, silently wrong. A batch that reads ``.data`` of a
+    rebuilt tensor now has it replayed at any size; one that reads nothing through it
+    stays exact."""
+    from ddp_eval.state import _attributes
+
+    if size != "small":
+        monkeypatch.setattr(_attributes, "REPLAY_ELEMENTS", 0)  # as for 2**24 elements and more
+
+    def make():
+        return types.SimpleNamespace(_ddp_brain_attributes=frozenset({"_ddp_brain_attributes"}),
+                                     x=torch.zeros(4, dtype=torch.float64))
+
+    def batch(h, b):
+        y = torch.full((4,), float(b), dtype=torch.float64)
+        h.x = h.x + y if rebuild == "x = x + y" else torch.cat([h.x, y])
+        _THROUGH_DATA[write](h.x, b)
+
+    single = make()
+    for b in range(6):
+        batch(single, b)
+    for layout in ([[0, 1, 2], [3, 4, 5]], [[0, 2, 4], [1, 3, 5], []]):
+        holders, records, merged = simulate_stage(layout, make, batch, DDPEvalConfig())
+        named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
+            label for record in records for label in record.report["unmergeable"]}
+        equal = all(torch.equal(h.x, single.x) for h in holders)
+        if write == "data.dtype only":
+            assert equal and not named, named
+        else:  # each rank's own change: named, not merged (data.copy_ of a constant, the last, is equal too)
+            assert "x" in named and (not equal or write == "data.copy_"), (equal, named)

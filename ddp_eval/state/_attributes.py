@@ -176,6 +176,7 @@ class Slot(ProbeReadings, Bindings):
         self.compared = False  # a batch compared it (if it is named, what the comparison steered may differ)
         self.over_none = False  # the first binding was over None (an assignment, not a creation)
         self.told_set = False  # this batch's probe saw a new value bound, the old one unused
+        self.data_read = False  # a batch read .data of it: a rebuilt value is replayed at any size
         self.watch = make_watch(self, self.start) if self.shared_from is None else SharingWatch(self, self.start)
 
     def fail(self, why: str) -> None:
@@ -276,8 +277,8 @@ class Slot(ProbeReadings, Bindings):
             self.fail(f"a batch bound a new {type(self.obj).__name__} to it and later ones changed that in place")
         if self.events and not is_number(self.obj) and self.watch.changes_after(-1):
             self.fail(f"a batch rebuilt it as a new {type(self.obj).__name__} and later ones changed that in place")
-        if self.why is None and self.events and _replay_is_cheap(self.obj, len(self.events)) and \
-                _recording.ENABLED and not replays_to(self.start, self.events, self.obj):
+        if self.why is None and self.events and (self.data_read or _replay_is_cheap(self.obj, len(self.events))) \
+                and _recording.ENABLED and not replays_to(self.start, self.events, self.obj):
             self.fail("replaying what its batches did (x = x + y, torch.cat) from its stage-start value does not "
                       "give the value it holds: something changed it unseen (a write through .data of a rebuilt "
                       "value); rebuild it or change it in place, not both, or compute it in on_stage_end")
@@ -358,7 +359,8 @@ class Slot(ProbeReadings, Bindings):
 
 
 # a rebuilt tensor or array is replayed at stage end (replay equality) while batches x elements stays
-# below this: about 20 ms of additions; a larger one is checked by _version only (docs/exactness.md)
+# below this: about 20 ms of additions; a larger one only if a batch read its .data (a change through it
+# moves no _version), else it is checked by _version (docs/exactness.md)
 REPLAY_ELEMENTS = 2 ** 24
 
 

@@ -158,6 +158,7 @@ class ProbeReadings:
             set_value(self.owner, self.name, value)
         if read_from(probe, rebuilt=True):  # its value used (t.sum(), float(t[0])), noted before any failure below
             self.notes.whole.add(top_label(self.label))
+        self.data_read = self.data_read or read_through_data(probe)  # x = x + y; x.data += z: replayed
         if getattr(getattr(probe, "_ddp_record", None), "shape_read", False):  # len(x), x.shape
             self.notes.shape.add(top_label(self.label))
         growth = getattr(getattr(probe, "_ddp_record", None), "steered", None)
