@@ -5,6 +5,7 @@ module's function given the Brain, and in the methods of objects it holds."""
 
 import ast
 import functools
+import heapq
 import json
 import math
 import operator
@@ -15,8 +16,10 @@ import torch
 from speechbrain.utils.metric_stats import MetricStats
 
 import tests.test_c_reads
+from ddp_eval.config import DDPEvalConfig
 from ddp_eval.state._c_reads import read_in_c, read_in_c_of, values_at
 from ddp_eval.state._field_flow import parts, uses
+from ddp_eval.state.bookkeeping import simulate as simulate_stage
 from tests.test_attribute_tracking import simulate
 
 
@@ -939,3 +942,55 @@ def test_strings_and_sets_c_code_is_given_are_named():
     single, holders, merged = simulate(Gathered, lambda h, b: h.compute_objectives(b), [[0, 1, 2], [3, 4, 5]])
     differs = {name for name, want in vars(single).items() if getattr(holders[0], name) != want}
     assert {"size", "late"} <= differs and differs <= set(merged.assumed) | set(merged.conflicts)
+
+
+_SCORES = [5, 3, 8, 1, 9, 2]
+
+
+def _keep_hardest(heap, score):  # a helper of the recipe's keeping a heap
+    heapq.heappush(heap, score)
+
+
+class Heaped:
+    """A heap of scores ``heapq`` keeps on a Brain list: its C code appends and moves
+    entries in the list's memory, where no recording copy sees them."""
+
+    def __init__(self):
+        self.hardest = []
+
+    def compute_objectives(self, b):
+        heapq.heappush(self.hardest, _SCORES[b])
+
+
+class HeapedByHelper(Heaped):
+    def compute_objectives(self, b):
+        _keep_hardest(self.hardest, _SCORES[b])
+
+
+class HeapedThroughLocals(Heaped):
+    def compute_objectives(self, b):  # locals bound by unpacking
+        push, hardest = heapq.heappush, self.hardest
+        push(hardest, _SCORES[b])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5]]],
+                         ids=["2", "6-one-batch-each"])
+@pytest.mark.parametrize("recipe", [Heaped, HeapedByHelper, HeapedThroughLocals])
+def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
+    """``heapq.heappush(self.hardest, s)``: with one batch a rank each list holds one
+    entry, no reorder shows, and the lists were merged as appends, not in heap order:
+    silently wrong. The list given to ``heapq``'s C code is read whole in C: named."""
+    single = recipe()
+    for b in range(6):
+        single.compute_objectives(b)
+
+    def brain():
+        holder = recipe()
+        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        return holder
+    holders, records, merged = simulate_stage(layout, brain, lambda h, b: h.compute_objectives(b), DDPEvalConfig())
+    named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
+        label for record in records for label in record.report["unmergeable"]}
+    assert any(h.hardest != single.hardest for h in holders)
+    assert "hardest" in named, named

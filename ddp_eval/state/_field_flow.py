@@ -173,10 +173,13 @@ def _from_a_global(instructions: List[dis.Instruction], at: Optional[int], selve
         elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and at and instructions[at - 1].opname in (
                 "LOAD_GLOBAL", "LOAD_ATTR", "CALL", "LOAD_FAST"):
             names, at = [instruction.argval, *names], at - 1
-        elif instruction.opname == "LOAD_FAST":  # its last binding before
-            at = next((i - 1 for i in range(at - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
-                       and instructions[i].argval == instruction.argval), None)
-            if at is None and instruction.argval in selves and names:
+        elif instruction.opname == "LOAD_FAST":  # its last binding before: what it stores
+            store = next((i for i in range(at - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
+                          and instructions[i].argval == instruction.argval), None)
+            at = None if store is None else next((i for i in range(store - 1, -1, -1) if instructions[i].opname in (
+                "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST") and _taker(instructions, i) == store),
+                None)  # push, hard = heapq.heappush, self.hard: through the SWAP
+            if store is None and instruction.argval in selves and names:
                 return (instruction.argval, *names)
         else:
             return None
