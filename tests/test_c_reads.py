@@ -973,14 +973,24 @@ class HeapedThroughLocals(Heaped):
         push(hardest, _SCORES[b])
 
 
+class HeapedByPartial(Heaped):
+    def __init__(self):
+        super().__init__()
+        self.push = functools.partial(heapq.heappush, self.hardest)  # as `push: !name:heapq.heappush` would
+
+    def compute_objectives(self, b):
+        self.push(_SCORES[b])
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5]]],
                          ids=["2", "6-one-batch-each"])
-@pytest.mark.parametrize("recipe", [Heaped, HeapedByHelper, HeapedThroughLocals])
+@pytest.mark.parametrize("recipe", [Heaped, HeapedByHelper, HeapedThroughLocals, HeapedByPartial])
 def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
     """``heapq.heappush(self.hardest, s)``: with one batch a rank each list holds one
     entry, no reorder shows, and the lists were merged as appends, not in heap order:
-    silently wrong. The list given to ``heapq``'s C code is read whole in C: named."""
+    silently wrong. The list given to ``heapq``'s C code, directly, through a helper,
+    locals or a ``functools.partial`` the Brain holds, is read whole in C: named."""
     single = recipe()
     for b in range(6):
         single.compute_objectives(b)

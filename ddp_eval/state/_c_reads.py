@@ -116,7 +116,7 @@ def read_in_c(owner_class: type, methods: Tuple[str, ...] = BATCH_METHODS) -> Fr
     return _scan(owner_class, methods)[0]
 
 
-def read_in_c_of(brain: Any) -> Set[str]:
+def read_in_c_of(brain: Any, copies: Optional[Dict[int, Any]] = None) -> Set[str]:
     """:func:`read_in_c` of ``brain``'s batch methods, and of the methods they call on
     the objects ``brain`` holds, as labels (``correct``, ``stats.count``).
 
@@ -136,12 +136,16 @@ def read_in_c_of(brain: Any) -> Set[str]:
     >>> sorted(read_in_c_of(Recipe()))
     ['stats.count']
     """
-    return reach(brain)[0]
+    return reach(brain, copies)[0]
 
 
-def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType, str]]]:
+def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
+          ) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType, str]]]:
     """(labels read in C, the objects whose methods the batch code runs, the globals it
-    names, each with a function naming it) of ``brain``'s batch code."""
+    names, each with a function naming it) of ``brain``'s batch code; ``copies``: the
+    recording copy the Brain holds for a container, by the container's id, where a
+    ``functools.partial`` may hold the container itself."""
+    copies = copies or {}
     found: Set[str] = set()
     named: Set[Tuple[types.FunctionType, str]] = set()
     owners: Dict[int, Any] = {}
@@ -180,6 +184,12 @@ def reach(brain: Any) -> Tuple[Set[str], List[Any], Set[Tuple[types.FunctionType
                         where = _the_recipes(bound) and _place_of(owner, target.__self__)
                         if where:  # {"valid": self.stats.update}: the method of an object the owner holds
                             pending.append(((*path, *where), target.__self__, (bound.__name__,)))
+                            continue
+                        if isinstance(target, functools.partial) and _a_librarys_reader(target.func):
+                            for bound_value in (*target.args, *target.keywords.values()):  # partial(heappush, h)
+                                where = _place_of(owner, copies.get(id(bound_value), bound_value))
+                                if where:
+                                    reads.add(_in_c(label_of(where), not _only_iterates(target.func)))
                             continue
                         callback = _callback(target)
                         if callback:  # self.hparams.score(self.stats, x): as a module's function given them
@@ -246,9 +256,11 @@ def values_at(owner: Any, path: Sequence[str]) -> List[Any]:
 
 def fields_of(value: Any) -> Dict[str, Any]:
     """``value``'s fields, by its ``__dict__``; none of a container's (a recording
-    copy's are its bookkeeping), nor of a function's or a ``functools.partial``'s
-    (asking makes them one, which a pickle of it then holds)."""
-    return {} if isinstance(value, _NO_FIELDS) else getattr(value, "__dict__", {})
+    copy's are its bookkeeping) or a stand-in's, nor of a function's or a
+    ``functools.partial``'s (asking makes them one, which a pickle of it then holds)."""
+    if isinstance(value, _NO_FIELDS) or (type(value).__module__.startswith("ddp_eval") and of_a_library(type(value))):
+        return {}  # nor a stand-in's (a probe's bookkeeping), while a batch's record is taken
+    return getattr(value, "__dict__", {})
 
 
 _NO_FIELDS = (dict, list, tuple, set, frozenset, collections.deque, functools.partial, types.FunctionType,

@@ -473,7 +473,8 @@ class StageBook:
         if not self.metrics.batches or not SCAN_C_READS:
             return set()
         tracks = self.attributes.tracks
-        return {label for label in read_in_c_of(self.brain) if of_a_module(label.split(ENTRY)[0], tracks)
+        copies = {id(original): copy for original, copy, _ in self.attributes.notes.copies.values()}
+        return {label for label in read_in_c_of(self.brain, copies) if of_a_module(label.split(ENTRY)[0], tracks)
                 and any(isinstance(value, _READ_IN_C) or (label.endswith(ENTRY) and isinstance(value, _ARRAYS))
                         for value in values_at(self.brain, parts(label)))}  # torch.stack(self.losses): losses[*]
 
