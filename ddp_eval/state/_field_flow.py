@@ -8,7 +8,10 @@ instructions alone (Python 3.11's), with no object at hand: it follows each fiel
 from its load (``self.n``, ``self.stats.count``, ``self.per_key[k].count``,
 ``getattr(self, "n")``, a local bound to one) to the instruction that takes it
 off the stack. Fields are named by paths (:func:`parts`): ``per_key[*].count``
-for an entry's field, ``{_update_*}`` for one found by a name computed at run time.
+for an entry's field, ``{_update_*}`` for one found by a name computed at run time,
+``stats.snapshot()`` for what a method of a field hands back and
+``stats.@snapshot#0()`` for what a function given the field as its first argument
+hands back (:mod:`ddp_eval.state._c_reads` resolves both).
 
 Example
 -------
@@ -50,6 +53,8 @@ Loads = Dict[int, Tuple[int, FrozenSet[str]]]  # where a field is pushed -> (whe
 Iterated = Tuple[FrozenSet[str], bool]  # what a comprehension's entries stand for; whether they are items() pairs
 _COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
+_CALLABLE_LOADS = ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST")  # what pushes a callable
+_BINDING_REACH = 64  # instructions before a local's binding searched for the value it stores
 Argument = Union[int, str, None]  # a call's argument: by position, by keyword, or not known (``*args``)
 
 
@@ -148,9 +153,8 @@ def _handed_back(instructions: List[dis.Instruction], end: int) -> bool:
 def _callee(instructions: List[dis.Instruction], start: int, call: int) -> Optional[int]:
     """The index of the instruction before ``start`` that pushes what ``call`` calls:
     a load, a call that makes it, or a subscript that takes it from a container."""
-    return next((i for i in range(start - 1, -1, -1) if instructions[i].opname in (
-        "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST", "BINARY_SUBSCR")
-        and _taker(instructions, i) == call), None)
+    return next((i for i in range(start - 1, -1, -1) if instructions[i].opname in (*_CALLABLE_LOADS, "BINARY_SUBSCR")
+                 and _taker(instructions, i) == call), None)
 
 
 def _from_a_global(instructions: List[dis.Instruction], at: Optional[int], selves: Tuple[str, ...]
@@ -176,9 +180,9 @@ def _from_a_global(instructions: List[dis.Instruction], at: Optional[int], selve
         elif instruction.opname == "LOAD_FAST":  # its last binding before: what it stores
             store = next((i for i in range(at - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
                           and instructions[i].argval == instruction.argval), None)
-            at = None if store is None else next((i for i in range(store - 1, -1, -1) if instructions[i].opname in (
-                "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST") and _taker(instructions, i) == store),
-                None)  # push, hard = heapq.heappush, self.hard: through the SWAP
+            at = None if store is None else next((i for i in range(store - 1, max(-1, store - _BINDING_REACH), -1)
+                                                  if instructions[i].opname in _CALLABLE_LOADS
+                                                  and _taker(instructions, i) == store), None)  # a, b = f, g: a SWAP
             if store is None and instruction.argval in selves and names:
                 return (instruction.argval, *names)
         else:
