@@ -123,6 +123,8 @@ def _argument_at(instructions: List[dis.Instruction], taker: int, above: int) ->
     if taker and instructions[taker - 1].opname == "KW_NAMES":
         keywords = instructions[taker - 1].argval
     position = count - above
+    if position < 0:  # not one of the arguments counted (a method's object)
+        return None
     return keywords[position - (count - len(keywords))] if position >= count - len(keywords) else position
 
 
