@@ -282,6 +282,9 @@ def is_probe(value: Any) -> bool:
     return isinstance(value, _Probe)
 
 
+PLAIN = frozenset({int, float, str, bytes, bool, type(None)})  # exactly these: no probe, none held
+
+
 def unprobed(value: Any, found: List[str], depth: int = 4, handed: bool = False) -> Any:
     """``value`` with each probe a batch put in it (``d[k] = self.n``, ``[self.n]``,
     ``replace(acc, n=acc.n + 1)``) replaced by its plain value, in lists, dicts,
@@ -296,6 +299,8 @@ def unprobed(value: Any, found: List[str], depth: int = 4, handed: bool = False)
     >>> kept, type(kept["count"][0]).__name__, found
     ({'count': [4]}, 'int', ['n'])
     """
+    if type(value) in PLAIN:
+        return value
     if isinstance(value, _Probe):
         origin = value._origin
         if not origin._label:  # a factory's or a get default's: its own record follows it, but where none does
@@ -311,16 +316,16 @@ def unprobed(value: Any, found: List[str], depth: int = 4, handed: bool = False)
         return kept
     if isinstance(value, list):
         for index, item in enumerate(list(value)):
-            kept = unprobed(item, found, depth - 1, handed)
+            kept = item if type(item) in PLAIN else unprobed(item, found, depth - 1, handed)
             if kept is not item:
                 list.__setitem__(value, index, kept)
     elif isinstance(value, dict):
         for key, item in list(dict.items(value)):
-            kept = unprobed(item, found, depth - 1, handed)
+            kept = item if type(item) in PLAIN else unprobed(item, found, depth - 1, handed)
             if kept is not item:
                 dict.__setitem__(value, key, kept)
     elif type(value) is tuple:
-        kept = tuple(unprobed(item, found, depth - 1, handed) for item in value)
+        kept = tuple(item if type(item) in PLAIN else unprobed(item, found, depth - 1, handed) for item in value)
         return value if all(map(operator.is_, kept, value)) else kept
     elif isinstance(value, set) and any(isinstance(item, _Probe) for item in value):
         probes = [item for item in value if isinstance(item, _Probe)]

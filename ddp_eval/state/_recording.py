@@ -42,7 +42,7 @@ import types
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 from ddp_eval.errors import DDPEvalError
-from ddp_eval.state._numbers import is_probe, probe, unprobed
+from ddp_eval.state._numbers import PLAIN, is_probe, probe, unprobed
 from ddp_eval.state._values import as_builtin
 
 _FROZEN = {list: tuple, bytearray: bytes, set: frozenset, dict: types.MappingProxyType, collections.deque: tuple}
@@ -168,7 +168,7 @@ def _noting(kind: type, name: str):
             self.index_sets.add(_index_key(args[0]))
         if self._notes.listening and self._depth == 0:  # items.append(self.n): the plain number, n read whole
             found: List[str] = []
-            args = tuple(arg if type(arg) in _PLAIN or _own_probe(self, arg) or _made_now(arg)
+            args = tuple(arg if type(arg) in PLAIN or _own_probe(self, arg) or _made_now(arg)
                          else unprobed(arg, found, depth=1) for arg in args)
             if found:
                 self._notes.copied(found)
@@ -184,9 +184,6 @@ def _noting(kind: type, name: str):
             self._depth -= 1
     noted.__name__ = name
     return noted
-
-
-_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})  # exactly these: no probe, none held
 
 
 def _made_now(value: Any) -> bool:
