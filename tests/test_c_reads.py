@@ -803,6 +803,17 @@ class ReturnedOperand(ReturnedInC):
         self.late.append(2.5 * self.stats.counted())
 
 
+class ReturnedEntry(ReturnedInC):
+    def _read(self, b):  # an entry of what a method hands back
+        self.late.append(2.5 * self.stats.snapshot()["count"])
+
+
+class ReturnedByLocal(ReturnedInC):
+    def _read(self, b):  # the method bound to a local, then called
+        snapshot = self.stats.snapshot
+        self.late.append(json.dumps(snapshot()))
+
+
 class ReturnedComputed(ReturnedInC):
     def _read(self, b):  # what a method computes anew: no field read in C
         self.late.append(2.5 * self.stats.mean_of(b) + 2.5 * self._halved(b))
@@ -857,6 +868,7 @@ class CheckedOnly(FieldsInC):
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [3, 4, 5], []]], ids=["2", "3-one-idle"])
 @pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, GotInC, LocalInC,
                                     MethodInC, HeldInC, PositionalInC, KeywordInC, ReturnedInC, ReturnedOperand,
+                                    ReturnedEntry, ReturnedByLocal,
                                     FunctionReturnedInC, HandlersInC, UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
@@ -870,6 +882,7 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
              UnchangedInC: {"config.count", "config.total"},
              CheckedOnly: set(), Converted: set(), ReturnedComputed: set(), ReturnedOperand: {"stats.count"},
+             ReturnedEntry: {"stats.count", "stats.total"},
              GotInC: {"per[*].count", "per[*].total"}}.get(
         recipe, {"stats.count", "stats.total"})
     brain = recipe()

@@ -341,6 +341,8 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
                     taker, above = _take(instructions, taker)
                 if "" in paths or taker is None or instructions[taker].opname != "BINARY_SUBSCR" or above != 2:
                     break
+                if instructions[end + 1].opname == "LOAD_METHOD" and instructions[end + 1].argval not in _VIEWS:
+                    break  # self.stats.snapshot()["n"]: what the method hands back is subscripted (_method_results)
                 if not _in_literal(instructions, end, taker):  # [self.a][0] is a itself
                     paths = frozenset(f"{path}{ENTRY}" for path in paths)  # one of the container's entries
                 end = taker
@@ -386,6 +388,12 @@ def _method_results(instructions: List[dis.Instruction], loads: Loads, selves: T
             start = loads[end][0] if end in loads else end
             name = instructions[end + 1].argval + RETURNED
             found[call] = (start, frozenset(f"{path}.{name}" if path else name for path in paths))
+    for end, (start, paths) in loads.items():  # snap = self.stats.snapshot; snap(): the method loaded, then called
+        taker = _taker(instructions, end)
+        if taker is not None and _is_callable(instructions, taker) and not any(
+                path.endswith((ENTRY, HELD)) for path in paths):
+            found[taker if instructions[taker].opname == "CALL" else taker + 1] = (
+                start, frozenset(f"{path}{RETURNED}" for path in paths))
     return found
 
 
