@@ -835,6 +835,21 @@ class FunctionReturnedInC(FieldsInC):
         self.late.append(json.dumps(_snapshot(self.stats)))
 
 
+def _counts_of(b, stats):  # the value given second, handed back in a list
+    return [stats.count, stats.total]
+
+
+class FunctionEntryInC(FieldsInC):
+    def _read(self, b):  # an entry of what a module's function hands back of its second argument
+        self.late.append(2.5 * _counts_of(b, self.stats)[0])
+
+
+class FunctionByLocalInC(FieldsInC):
+    def _read(self, b):  # a module's function bound to a local, then called
+        snapshot = _snapshot_of
+        self.late.append(json.dumps(snapshot(self.stats)))
+
+
 class HandlersInC(FieldsInC):
     def __init__(self):
         super().__init__()
@@ -869,7 +884,8 @@ class CheckedOnly(FieldsInC):
 @pytest.mark.parametrize("recipe", [FieldsInC, DictInC, GetterInC, DeepInC, NestedInC, SelfInC, GotInC, LocalInC,
                                     MethodInC, HeldInC, PositionalInC, KeywordInC, ReturnedInC, ReturnedOperand,
                                     ReturnedEntry, ReturnedByLocal,
-                                    FunctionReturnedInC, HandlersInC, UnchangedInC, CheckedOnly, Converted,
+                                    FunctionReturnedInC, FunctionEntryInC, FunctionByLocalInC, HandlersInC,
+                                    UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
     """``json.dumps(vars(self.stats))`` reads ``stats.count`` in C, where no probe sees:

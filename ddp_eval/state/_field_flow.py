@@ -180,16 +180,27 @@ def _from_a_global(instructions: List[dis.Instruction], at: Optional[int], selve
                 "LOAD_GLOBAL", "LOAD_ATTR", "CALL", "LOAD_FAST"):
             names, at = [instruction.argval, *names], at - 1
         elif instruction.opname == "LOAD_FAST":  # its last binding before: what it stores
-            store = next((i for i in range(at - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
-                          and instructions[i].argval == instruction.argval), None)
-            at = None if store is None else next((i for i in range(store - 1, max(-1, store - _BINDING_REACH), -1)
-                                                  if instructions[i].opname in _CALLABLE_LOADS
-                                                  and _taker(instructions, i) == store), None)  # a, b = f, g: a SWAP
-            if store is None and instruction.argval in selves and names:
+            bound, at = _binding(instructions, at), _stored(instructions, at)
+            if bound is None and instruction.argval in selves and names:
                 return (instruction.argval, *names)
         else:
             return None
     return None
+
+
+def _binding(instructions: Sequence[dis.Instruction], at: int) -> Optional[int]:
+    """The index of the last ``STORE_FAST`` before ``at`` of the local ``at`` loads."""
+    return next((i for i in range(at - 1, 0, -1) if instructions[i].opname == "STORE_FAST"
+                 and instructions[i].argval == instructions[at].argval), None)
+
+
+def _stored(instructions: Sequence[dis.Instruction], at: int) -> Optional[int]:
+    """The index of the load or call that pushed what the local ``at`` loads was last
+    bound to (``a, b = f, g``: through the ``SWAP``), if near its binding."""
+    store = _binding(instructions, at)
+    return None if store is None else next((i for i in range(store - 1, max(-1, store - _BINDING_REACH), -1)
+                                            if instructions[i].opname in _CALLABLE_LOADS
+                                            and _taker(instructions, i) == store), None)
 
 
 def passed_functions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
@@ -422,8 +433,11 @@ def _function_results(instructions: Sequence[dis.Instruction], loads: Loads, sel
 
 def _global_chain(instructions: Sequence[dis.Instruction], at: Optional[int]) -> Tuple[str, ...]:
     """The names loading the callable pushed ``at`` from a global and its attributes
-    only (``snapshot``, ``helpers.snapshot``), or ``()``."""
+    only (``snapshot``, ``helpers.snapshot``; through a local bound to one, ``f =
+    snapshot``), or ``()``."""
     names: List[str] = []
+    if at is not None and instructions[at].opname == "LOAD_FAST":
+        at = _stored(instructions, at)
     while at is not None and at >= 0 and instructions[at].opname in ("LOAD_ATTR", "LOAD_METHOD"):
         names, at = [instructions[at].argval, *names], at - 1
     return (instructions[at].argval, *names) if at is not None and at >= 0 and instructions[
