@@ -97,7 +97,7 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
     loads = _attribute_loads(instructions, selves, iterated)
     itself = {at: (at, frozenset({""})) for at, instruction in enumerate(instructions[:-1])  # vars(self)
               if len(selves) == 1 and instruction.opname in _SELF_LOADS and instruction.argval in selves
-              and instructions[at + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")}  # of several, which is not known
+              and _itself(instructions, at)}  # of several, which is not known
     for end, (start, paths) in {**itself, **loads}.items():
         taker, above = _take(instructions, end)
         if taker is None or not _is_argument(instructions, taker) or _is_choice(code, instructions, taker):
@@ -414,7 +414,7 @@ def _function_results(instructions: Sequence[dis.Instruction], loads: Loads, sel
     index of its ``CALL`` -> (where the call starts, the paths)."""
     found: Dict[int, Tuple[int, Set[str]]] = {}
     for end, paths in _pushed(instructions, loads, selves).items():
-        if paths == {""} and instructions[end + 1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        if paths == {""} and not _itself(instructions, end):
             continue  # self's field, not self itself
         taker, above = _take(instructions, end)
         if taker is None or instructions[taker].opname != "PRECALL" or not _is_argument(instructions, taker):
@@ -466,7 +466,7 @@ def returned(code: types.CodeType, selves: Tuple[str, ...]) -> FrozenSet[str]:
     instructions = instructions_of(code)
     pushed = _pushed(instructions, _attribute_loads(instructions, selves), selves)
     return frozenset(path for end, paths in pushed.items()
-                     if (paths != {""} or instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD"))
+                     if (paths != {""} or _itself(instructions, end))
                      and _holder(instructions, end) is None  # {"n": self.n}: the display's path, n[^]
                      and (taker := _taker(instructions, end)) is not None
                      and instructions[taker].opname == "RETURN_VALUE" for path in paths)
@@ -755,11 +755,15 @@ def _is_callable(instructions: List[dis.Instruction], taker: int) -> bool:
 
 def _given(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Set[str]:
     """Paths of ``self`` (``""`` for ``self`` itself) passed to a call."""
-    def itself(end: int) -> bool:  # self itself, not the owner of a field or method loaded next
-        return end + 1 < len(instructions) and instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")
     return {path for end, paths in _pushed(instructions, loads, selves).items() for path in paths
-            if (path or itself(end)) and (taker := _taker(instructions, end)) is not None
+            if (path or _itself(instructions, end)) and (taker := _taker(instructions, end)) is not None
             and _is_argument(instructions, taker)}  # not the callable itself (self.handlers[k](x))
+
+
+def _itself(instructions: Sequence[dis.Instruction], end: int) -> bool:
+    """Whether ``self`` pushed at ``end`` is used itself, not as the owner of a field
+    or method loaded next (``vars(self)``, not ``self.n``)."""
+    return end + 1 < len(instructions) and instructions[end + 1].opname not in ("LOAD_ATTR", "LOAD_METHOD")
 
 
 def _pushed(instructions: List[dis.Instruction], loads: Loads, selves: Tuple[str, ...]) -> Dict[int, FrozenSet[str]]:
