@@ -1012,8 +1012,9 @@ class HeapedByPartial(Heaped):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5]]],
-                         ids=["2", "6-one-batch-each"])
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5]],
+                                    [[0], [1], [2], [3], [4], [5], []]],
+                         ids=["2", "6-one-batch-each", "7-one-idle"])
 @pytest.mark.parametrize("recipe", [Heaped, HeapedByHelper, HeapedThroughLocals, HeapedByPartial])
 def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
     """``heapq.heappush(self.hardest, s)``: with one batch a rank each list holds one
