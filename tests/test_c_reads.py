@@ -859,6 +859,73 @@ class HandlersInC(FieldsInC):
         self.late.append(self.handlers["dump"](self.stats))
 
 
+class SpreadInC(FieldsInC):
+    def _read(self, b):  # given ahead of a spread sequence: its position is not known
+        rest = (2,)
+        self.late.append(_dump(self.stats, *rest))
+
+
+class SpreadMappingInC(FieldsInC):
+    def _read(self, b):  # given ahead of a spread mapping
+        options = {"indent": 2}
+        self.late.append(_dump(self.stats, **options))
+
+
+class SpreadLocalInC(FieldsInC):
+    def _read(self, b):  # in a local tuple spread into the arguments
+        arguments = (self.stats, 2)
+        self.late.append(_dump(*arguments))
+
+
+def _dump_each(*values):  # a helper packing what it is given, read in C in a comprehension
+    return json.dumps([vars(value) for value in values])
+
+
+class PackedInC(FieldsInC):
+    def _read(self, b):  # given to a *values parameter
+        self.late.append(_dump_each(self.stats))
+
+
+def _dump_looped(*values):  # the same, in a for loop, through another helper
+    dumped = []
+    for value in values:
+        dumped.append(_dumped(value))
+    return dumped
+
+
+def _dumped(value):
+    return json.dumps(vars(value))
+
+
+class PackedLoopedInC(FieldsInC):
+    def _read(self, b):  # given to a *values parameter with another object
+        self.late.append(_dump_looped(self.config, self.stats))
+
+
+def _dump_options(**options):  # a helper packing keywords
+    return json.dumps(vars(options["stats"]))
+
+
+class PackedKeywordInC(FieldsInC):
+    def _read(self, b):  # given to a **options parameter
+        self.late.append(_dump_options(stats=self.stats))
+
+
+def _count_of(*values):  # hands back the number of the object it is given first
+    return {"count": values[0].count}
+
+
+class PackedReturnedInC(FieldsInC):
+    def _read(self, b):  # a float on the left of what a helper hands back of a *values parameter
+        self.late.append(2.5 * _count_of(self.stats)["count"])
+
+
+class SpreadReturnedInC(FieldsInC):
+    def _read(self, b):  # the same, given through a spread list
+        arguments = [self.stats]
+        self.late.append(2.5 * _count_of(*arguments)["count"])
+
+
 class UnchangedInC(FieldsInC):
     def _read(self, b):  # a library reads fields no batch changes; an object only iterated
         self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
@@ -885,6 +952,8 @@ class CheckedOnly(FieldsInC):
                                     MethodInC, HeldInC, PositionalInC, KeywordInC, ReturnedInC, ReturnedOperand,
                                     ReturnedEntry, ReturnedByLocal,
                                     FunctionReturnedInC, FunctionEntryInC, FunctionByLocalInC, HandlersInC,
+                                    SpreadInC, SpreadMappingInC, SpreadLocalInC, PackedInC, PackedLoopedInC,
+                                    PackedKeywordInC, PackedReturnedInC, SpreadReturnedInC,
                                     UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
@@ -892,13 +961,16 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     on a rank it reads that rank's count. Named, with what it computed, however the
     library's function is found (a global, a call's product, a local, ``hparams``, a
     dict's entry), five calls down, two objects below, through a helper's parameter
-    matched by position or keyword, or what a method or function of the recipe's hands back;
+    matched by position or keyword, spread (``f(*args)``, ``f(**options)``) or packed
+    (``def f(*values)``), or what a method or function of the recipe's hands back;
     fields no batch changes, an object given to ``isinstance`` or only iterated, a
     helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
              UnchangedInC: {"config.count", "config.total"},
              CheckedOnly: set(), Converted: set(), ReturnedComputed: set(), ReturnedOperand: {"stats.count"},
-             ReturnedEntry: {"stats.count", "stats.total"},
+             ReturnedEntry: {"stats.count", "stats.total"}, PackedReturnedInC: {"stats.count"},
+             SpreadReturnedInC: {"stats.count"},
+             PackedLoopedInC: {"config.count", "config.total", "stats.count", "stats.total"},
              GotInC: {"per[*].count", "per[*].total"}}.get(
         recipe, {"stats.count", "stats.total"})
     brain = recipe()

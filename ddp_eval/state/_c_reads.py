@@ -83,6 +83,7 @@ from ddp_eval.state._field_flow import (
     CALLED,
     ENTRY,
     FUNCTION,
+    HELD,
     RETURNED,
     Argument,
     Iterated,
@@ -93,6 +94,7 @@ from ddp_eval.state._field_flow import (
     label_of,
     parts,
     passed_functions,
+    plain,
     returned,
     uses,
 )
@@ -445,22 +447,21 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
             elif _a_librarys_reader(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))
             elif _the_recipes(taker) and itself:  # not meter in meter.update(value(b))
-                given_to[taker][_parameter(taker, argument)].add(path)
+                for parameter, suffix in _bindings(taker, argument):
+                    given_to[taker][parameter].add(f"{path}{suffix}")
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
             for inner, looped in _with_nested(nested, parameters):
                 found, called = _as_given(*uses(inner, parameters, looped)[:2], passed)
                 reads, calls = reads | found, calls | called
         for module_function, called_here in _module_functions(instructions, function.__globals__).items():
-            code_of = module_function.__code__
-            parameters = code_of.co_varnames[:code_of.co_argcount + code_of.co_kwonlyargcount]
-            by_parameter = given_to[module_function] if called_here else {None: given}  # map(update, ...): any
+            by_parameter = given_to[module_function] if called_here else {  # map(update, ...): any parameter
+                parameter: {f"{path}{suffix}" for path in given} for parameter, suffix in _bindings(module_function)}
             if not depth:  # deeper than the scan goes: what it is given counts as read in C, with what it holds
-                reads |= {_in_c(path, True) for passed in by_parameter.values() for path in passed}
+                reads |= {_in_c(plain(path), True) for passed in by_parameter.values() for path in passed}
                 continue
             for parameter, passed in by_parameter.items() or {None: set()}.items():  # each parameter given a field
-                selves_there = (parameter,) if parameter else parameters if passed else ()  # not known: any
-                found, called, more, _, _ = _scan_function(module_function, selves_there, depth - 1)
+                found, called, more, _, _ = _scan_function(module_function, (parameter,) if passed else (), depth - 1)
                 named |= more
                 found, called = _as_given(found, called, passed)
                 reads, calls = reads | found, calls | called
@@ -488,10 +489,12 @@ def _through_functions(labels: Iterable[str], globals_: Dict[str, Any], depth: i
             continue
         name, argument = path[at][len(FUNCTION):-len(RETURNED)].rsplit("#", 1)
         function = _resolve(name.split(":"), globals_)
-        parameter = _parameter(function, int(argument) if argument.isdigit() else argument) if (
-            _the_recipes(function) and depth) else None
-        for handed in _returned_of(function, parameter, depth - 1) if parameter else ():
-            found |= _through_functions({label_of((*path[:at], *parts(handed), *path[at + 1:]))}, globals_, depth - 1)
+        bindings = _bindings(function, int(argument) if argument.isdigit() else argument) if (
+            _the_recipes(function) and depth) else []
+        for parameter, suffix in bindings:
+            for handed in _returned_of(function, parameter, depth - 1):
+                found |= _through_functions({label_of((*path[:at], *parts(suffix), *parts(handed), *path[at + 1:]))},
+                                            globals_, depth - 1)
     return found
 
 
@@ -502,13 +505,39 @@ def _returned_of(function: types.FunctionType, parameter: str, depth: int) -> Fr
     return frozenset(_through_functions(returned(function.__code__, (parameter,)), function.__globals__, depth))
 
 
-def _parameter(function: types.FunctionType, argument: Argument) -> Optional[str]:
-    """The parameter of ``function`` a call's ``argument`` (:func:`~ddp_eval.state._field_flow.given_to_calls`)
-    binds, or None if not known (``*args``, ``**kwargs``)."""
+def _bindings(function: types.FunctionType, argument: Argument = None) -> List[Tuple[str, str]]:
+    """The parameters of ``function`` a call's ``argument``
+    (:func:`~ddp_eval.state._field_flow.given_to_calls`) may bind, each with what
+    makes the given value's path the parameter's: ``f(self.stats)`` binds ``stats``
+    (``""``) or ``*values`` (``[^]``: ``values[0]`` is ``stats``); ``f(*args)``
+    (``"*"``) binds each positional parameter to an entry (``[*]``) and ``*values`` to
+    it; ``f(**kwargs)`` (``"**"``) likewise by keyword; None (not known) any.
+
+    Example
+    -------
+    >>> def snapshot(stats, digits=2, *values, **options):
+    ...     pass
+    >>> _bindings(snapshot, 0), _bindings(snapshot, 3), _bindings(snapshot, "indent")
+    ([('stats', '')], [('values', '[^]')], [('options', '[^]')])
+    >>> _bindings(snapshot, "*")
+    [('stats', '[*]'), ('digits', '[*]'), ('values', '')]
+    """
     code = function.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    named = code.co_varnames[code.co_posonlyargcount:code.co_argcount + code.co_kwonlyargcount]
+    after = code.co_argcount + code.co_kwonlyargcount
+    varargs = code.co_varnames[after] if code.co_flags & inspect.CO_VARARGS else None
+    varkw = code.co_varnames[after + bool(varargs)] if code.co_flags & inspect.CO_VARKEYWORDS else None
+    packed = [parameter for parameter in (varargs, varkw) if parameter]
     if isinstance(argument, int):
-        return code.co_varnames[argument] if argument < code.co_argcount else None
-    return argument if argument in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] else None
+        return [(positional[argument], "")] if argument < len(positional) else [(varargs, HELD)] if varargs else []
+    if argument in ("*", "**"):
+        spread, rest = (positional, varargs) if argument == "*" else (named, varkw)
+        return [(parameter, ENTRY) for parameter in spread] + ([(rest, "")] if rest else [])
+    if argument is None:
+        return [(parameter, "") for parameter in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]] + [
+            (parameter, HELD) for parameter in packed]
+    return [(argument, "")] if argument in named else [(varkw, HELD)] if varkw else []
 
 
 def _in_c(path: str, whole: bool) -> str:

@@ -26,6 +26,7 @@ Example
 
 import collections
 import dis
+import functools
 import re
 import types
 from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
@@ -55,7 +56,8 @@ _COMPREHENSIONS = ("<listcomp>", "<genexpr>", "<setcomp>", "<dictcomp>")
 Calls = Set[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 _CALLABLE_LOADS = ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "CALL", "LOAD_FAST")  # what pushes a callable
 _BINDING_REACH = 64  # instructions before a local's binding searched for the value it stores
-Argument = Union[int, str, None]  # a call's argument: by position, by keyword, or not known (``*args``)
+Argument = Union[int, str, None]  # a call's argument: by position, by keyword, "*"/"**" (``f(*a, **k)``), not known
+_SPREADING = ("LIST_EXTEND", "SET_UPDATE", "DICT_MERGE", "DICT_UPDATE")  # ``[*v]``, ``f(*v, **w)``: into the display
 
 
 def uses(code: types.CodeType, selves: Tuple[str, ...], iterated: Iterated = (frozenset(), False)
@@ -116,7 +118,12 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
 def _argument_at(instructions: List[dis.Instruction], taker: int, above: int) -> Argument:
     """Which argument of the call whose ``PRECALL`` is at ``taker`` a value ``above``
     (:func:`_take`) from the top is: its position (``dump(self.stats, 2)``: 0), its
-    keyword (``dump(indent=2, stats=self.stats)``: ``"stats"``), or None (``*args``)."""
+    keyword (``dump(indent=2, stats=self.stats)``: ``"stats"``), the sequence or the
+    mapping spread into the arguments (``dump(*args)``: ``"*"``; ``dump(**kwargs)``:
+    ``"**"``), or None (the callable)."""
+    if instructions[taker].opname == "CALL_FUNCTION_EX":  # f(*args, **kwargs): the sequence, then the mapping
+        keywords = instructions[taker].arg & 1
+        return {1: "**" if keywords else "*", 2: "*" if keywords else None}.get(above)
     if instructions[taker].opname != "PRECALL":
         return None
     count, keywords = instructions[taker].arg, ()
@@ -263,8 +270,8 @@ def label_of(path: Sequence[str]) -> str:
 def plain(label: str) -> str:
     """``label`` without the displays its value passed through: an entry of a display
     holding ``a`` (``a[^][*]``) is ``a``, and so, for what C code given it reads, is
-    the display (``a[^]``)."""
-    return _entries_taken(label).replace(HELD, "")
+    the display (``a[^]``), but before what a function hands back (``a[^].@f#*()``)."""
+    return re.sub(r"\[\^\](?!\.@)", "", _entries_taken(label))
 
 
 def _entries_taken(label: str) -> str:
@@ -308,6 +315,8 @@ def comprehensions(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
             continue
         if last in loads:  # for m in self.meters; for m in (self.a, self.b)
             found[instruction.argval] = (frozenset(_entries_taken(f"{path}{ENTRY}") for path in loads[last][1]), False)
+        elif instructions[last].opname in _SELF_LOADS and instructions[last].argval in selves:  # in *values
+            found[instruction.argval] = (frozenset({ENTRY}), False)
         elif instructions[last].opname == "CALL" and instructions[last - 2].opname == "LOAD_METHOD" and instructions[
                 last - 2].argval in ("values", "items") and last - 3 in loads:  # self.per_key.items()
             found[instruction.argval] = (frozenset(_entries_taken(f"{path}{ENTRY}") for path in loads[last - 3][1]),
@@ -350,8 +359,11 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
                 taker, above = _take(instructions, end)
                 if taker is not None and instructions[taker].opname in _DISPLAYS:  # {"a": self.a}["a"]
                     taker, above = _take(instructions, taker)
-                if "" in paths or taker is None or instructions[taker].opname != "BINARY_SUBSCR" or above != 2:
+                if taker is None or instructions[taker].opname != "BINARY_SUBSCR" or above != 2:
                     break
+                if paths == {""}:  # values[0] of a *values parameter: one of its entries
+                    paths, end = frozenset({ENTRY}), taker
+                    continue
                 if instructions[end + 1].opname == "LOAD_METHOD" and instructions[end + 1].argval not in _VIEWS:
                     break  # self.stats.snapshot()["n"]: what the method hands back is subscripted (_method_results)
                 if not _in_literal(instructions, end, taker):  # [self.a][0] is a itself
@@ -380,6 +392,8 @@ def _attribute_loads(instructions: List[dis.Instruction], selves: Tuple[str, ...
         for end, (start, paths) in loads.items():
             for name, entry in _bound_to(instructions, start, end):
                 bound[name] |= {f"{path}{ENTRY}" if entry else path for path in paths}
+        for end in filter(functools.partial(_itself, instructions), starts):  # for v in values: *values's entries
+            bound.update((name, bound[name] | {ENTRY}) for name, entry in _bound_to(instructions, end, end) if entry)
         if {name: frozenset(paths) for name, paths in bound.items()} == aliases and set(fetched) <= set(loads):
             return loads
         aliases = {name: frozenset(paths) for name, paths in bound.items()}
@@ -417,16 +431,18 @@ def _function_results(instructions: Sequence[dis.Instruction], loads: Loads, sel
         if paths == {""} and not _itself(instructions, end):
             continue  # self's field, not self itself
         taker, above = _take(instructions, end)
-        if taker is None or instructions[taker].opname != "PRECALL" or not _is_argument(instructions, taker):
+        if taker is None or instructions[taker].opname not in ("PRECALL", "CALL_FUNCTION_EX") or not _is_argument(
+                instructions, taker):
             continue
         start = loads[end][0] if end in loads else end
-        callee = _callee(instructions, start, taker + 1)
+        call = taker + 1 if instructions[taker].opname == "PRECALL" else taker
+        callee = _callee(instructions, start, call)
         argument = _argument_at(instructions, taker, above)
         names = _global_chain(instructions, callee)
         if not names or argument is None or _handed_back(instructions, end):
             continue
         name = function_result(names, argument)
-        found.setdefault(taker + 1, (callee - len(names) + 1, set()))[1].update(
+        found.setdefault(call, (callee - len(names) + 1, set()))[1].update(
             f"{path}.{name}" if path else name for path in paths)
     return {call: (start, frozenset(paths)) for call, (start, paths) in found.items()}
 
@@ -793,6 +809,10 @@ def _take(instructions: List[dis.Instruction], at: int) -> Tuple[Optional[int], 
             if above == 1 or instruction.offset > instruction.argval or "BACKWARD" in instruction.opname:
                 return None, above  # the value tested, or a loop
             # a test of a value above it, in an expression whose branches each push one: the first branch
+        if above == 1 and instruction.opname in (*_SPREADING, "LIST_TO_TUPLE"):  # f(*self.ids): its entries are
+            above = instruction.arg if instruction.opname in _SPREADING else 1  # the display's, which goes on
+            index += 1
+            continue
         if instruction.opname == "SWAP":  # a, b = b, a: the value moves
             above = instruction.arg if above == 1 else 1 if above == instruction.arg else above
             index += 1
