@@ -89,6 +89,10 @@ def _dump_with(tally, indent):  # a module's function with two parameters, one g
     return json.dumps(vars(tally), indent=indent)
 
 
+def _dump_each(*tallies):  # a module's function packing what it is given, read in C in a comprehension
+    return json.dumps([vars(tally) for tally in tallies])
+
+
 _LABELS = [f"label{i}" for i in range(1000)]
 
 
@@ -292,7 +296,8 @@ class Brain:
         self.same_nested, self.by_stage = self.nested, {"valid": self.nested}
         self.hparams = types.SimpleNamespace(c_dict=self.c_dict, holder=types.SimpleNamespace(c_list=self.c_list),
                                              count_in_c=_count_by_callback,  # a function of the recipe's
-                                             dump=functools.partial(json.dumps, default=vars))  # !name:json.dumps
+                                             dump=functools.partial(json.dumps, default=vars),  # !name:json.dumps
+                                             count_of=functools.partial(_count_of))  # !name: of the recipe's
         # outside the Brain: a closure's variable, a field of an object of the recipe's own only a closure holds
         self.c_list_size = (lambda items: lambda: len(items))(self.c_list)
         self.c_dict_keys = (lambda tally: lambda: tally.counts)(OutsideTally(self.c_dict))
@@ -311,7 +316,7 @@ class Brain:
         self.stacked = []  # a list of tensors torch.stack takes the entries of in C
         self.j_tally, self.o_tally, self.h_tally = Count(), Count(), Count()  # fields a library's function reads
         self.w_dumped, self.z_dumped, self.y_tally, self.i_tally = DumpedCount(), DumpedCount(), Count(), Count()
-        self.a_tally = Count()
+        self.a_tally, self.sp_tally, self.pk_tally, self.hr_tally = Count(), Count(), Count(), Count()
         self.dumpers = {"json": functools.partial(json.dumps, default=vars)}  # a library's function in a dict
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
@@ -399,6 +404,16 @@ class Brain:
         elif read == "function returned":
             self.a_tally.count += 1
             self.c_reads.append(json.dumps(_count_of(self.a_tally)))
+        elif read == "spread":
+            self.sp_tally.count += 1
+            rest = (None,)
+            self.c_reads.append(_dump_with(self.sp_tally, *rest))
+        elif read == "packed":
+            self.pk_tally.count += 1
+            self.c_reads.append(_dump_each(self.pk_tally))
+        elif read == "held returned":
+            self.hr_tally.count += 1
+            self.c_reads.append(json.dumps(self.hparams.count_of(self.hr_tally)))
         elif read == "library in a dict":
             self.i_tally.count += 1
             self.c_reads.append(self.dumpers["json"](self.i_tally))
@@ -444,7 +459,10 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by a helper's parameter given to a library's function": "positional",
     "read in C of what a method of the recipe's hands back": "returned",
     "read in C of what a function of the recipe's hands back": "function returned",
-    "read in C by a library's function held in a dict": "library in a dict"}
+    "read in C by a library's function held in a dict": "library in a dict",
+    "read in C by a helper given a field ahead of a spread tuple": "spread",
+    "read in C by a helper packing its arguments (*values)": "packed",
+    "read in C of what a function of the recipe's hparams hold hands back": "held returned"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

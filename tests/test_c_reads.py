@@ -926,6 +926,34 @@ class SpreadReturnedInC(FieldsInC):
         self.late.append(2.5 * _count_of(*arguments)["count"])
 
 
+class HeldReturnedInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.hparams = types.SimpleNamespace(snapshot=functools.partial(_snapshot_of))  # !name:recipe._snapshot_of
+
+    def _read(self, b):  # a library's function given what a function of the recipe's hparams hold hands back
+        self.late.append(json.dumps(self.hparams.snapshot(self.stats)))
+
+
+class HeldEntryInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.hparams = types.SimpleNamespace(snapshot=_snapshot_of)
+
+    def _read(self, b):  # a float on the left of an entry of it
+        self.late.append(2.5 * self.hparams.snapshot(self.stats)["count"])
+
+
+class HeldByLocalInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.snapshot = _snapshot_of
+
+    def _read(self, b):  # a function of the recipe's an attribute holds, bound to a local, then called
+        snapshot = self.snapshot
+        self.late.append(json.dumps(snapshot(self.stats)))
+
+
 class UnchangedInC(FieldsInC):
     def _read(self, b):  # a library reads fields no batch changes; an object only iterated
         self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
@@ -953,7 +981,8 @@ class CheckedOnly(FieldsInC):
                                     ReturnedEntry, ReturnedByLocal,
                                     FunctionReturnedInC, FunctionEntryInC, FunctionByLocalInC, HandlersInC,
                                     SpreadInC, SpreadMappingInC, SpreadLocalInC, PackedInC, PackedLoopedInC,
-                                    PackedKeywordInC, PackedReturnedInC, SpreadReturnedInC,
+                                    PackedKeywordInC, PackedReturnedInC, SpreadReturnedInC, HeldReturnedInC,
+                                    HeldEntryInC, HeldByLocalInC,
                                     UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
@@ -962,7 +991,8 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     library's function is found (a global, a call's product, a local, ``hparams``, a
     dict's entry), five calls down, two objects below, through a helper's parameter
     matched by position or keyword, spread (``f(*args)``, ``f(**options)``) or packed
-    (``def f(*values)``), or what a method or function of the recipe's hands back;
+    (``def f(*values)``), or what a method or function of the recipe's hands back (one
+    ``hparams`` or an attribute holds too);
     fields no batch changes, an object given to ``isinstance`` or only iterated, a
     helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},

@@ -168,7 +168,7 @@ def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
         named |= more
         while todo:
             place, method = todo.pop()
-            for fields in _expand(owner, place):
+            for fields in _expand(owner, place, given):
                 targets = values_at(owner, fields)
                 for target in {id(value) if method == CALLED else type(value): value for value in targets}.values():
                     if method.startswith("{"):  # getattr(self.stats, name)(...): any method of its own
@@ -195,18 +195,18 @@ def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
                             continue
                         callback = _callback(target)
                         if callback:  # self.hparams.score(self.stats, x): as a module's function given them
-                            parameters = callback.__code__.co_varnames[:callback.__code__.co_argcount
-                                                                       + callback.__code__.co_kwonlyargcount]
-                            more_reads, more_calls = _as_given(*_scan_function(callback, parameters, _DEPTH)[:2], given)
-                            reads |= more_reads
-                            todo += [call for call in more_calls - seen]
-                            seen |= more_calls
+                            for parameter, suffix in _bindings(callback):
+                                more_reads, more_calls = _as_given(*_scan_function(callback, (parameter,), _DEPTH)[:2],
+                                                                   {f"{path}{suffix}" for path in given})
+                                reads |= more_reads
+                                todo += [call for call in more_calls - seen]
+                                seen |= more_calls
                             continue
                     elif not fields and (place, method) in calls:
                         continue  # a method of the owner's own its code calls: scanned with it
                     if _the_recipes(function):
                         pending.append(((*path, *held), target, (name,)))
-        found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name))}
+        found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name), given)}
     return found, list(owners.values()), named
 
 
@@ -312,17 +312,23 @@ def _held_callables(owner: Any, chain: Tuple[str, ...]) -> Iterator[Any]:
         yield fields_of(value).get(chain[-1], inspect.getattr_static(type(value), chain[-1], None))
 
 
-def _expand(owner: Any, path: Sequence[str], depth: int = _DEPTH) -> List[Tuple[str, ...]]:
+def _expand(owner: Any, path: Sequence[str], given: Iterable[str] = (), depth: int = _DEPTH
+            ) -> List[Tuple[str, ...]]:
     """``path`` with each ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`) replaced
     by each field held there, ``**`` (:data:`BELOW`) by the place itself and each
     place below it (:func:`_below`), and ``name()`` by what that method of the
-    recipe's hands back (:func:`_handed_back_by`), ``depth`` methods deep."""
+    recipe's hands back (:func:`_handed_back_by`), or the function of the recipe's
+    held there given what the code gives calls, ``given`` (:func:`_handed_back_of`),
+    ``depth`` methods deep."""
     found: List[Tuple[str, ...]] = [()]
     for at, part in enumerate(path):
         if part.endswith(RETURNED):
+            name = part[:-len(RETURNED)]
             return list(dict.fromkeys(
-                expanded for place in found for handed in _handed_back_by(owner, place, part[:-len(RETURNED)])
-                for expanded in _expand(owner, parts(label_of((*place, *parts(handed), *path[at + 1:]))), depth - 1)
+                expanded for place in found for handed in (
+                    *((*place, *parts(handed)) for handed in _handed_back_by(owner, place, name)),
+                    *_handed_back_of(owner, place, name, given))
+                for expanded in _expand(owner, parts(label_of((*handed, *path[at + 1:]))), given, depth - 1)
             )) if depth else []
         if part == BELOW:
             found = [(*place, *below) for place in found for below in _below(values_at(owner, place))]
@@ -340,6 +346,18 @@ def _handed_back_by(owner: Any, place: Sequence[str], name: str) -> Set[str]:
     (:func:`~ddp_eval.state._field_flow.returned`); none for a library's."""
     classes = {type(value) for value in values_at(owner, place)}
     return set().union(*(_handed_back_by_class(cls, name) for cls in classes))
+
+
+def _handed_back_of(owner: Any, place: Sequence[str], name: str, given: Iterable[str]) -> Set[Tuple[str, ...]]:
+    """The paths (:func:`parts`), from ``owner``, of what the recipe's function held at
+    ``place`` as ``name`` (``self.hparams.snapshot``, ``!name:`` in hparams;
+    ``self.snap``) hands back, given any of the fields ``given`` (not what calls hand
+    back)."""
+    callbacks = {_callback(value) for value in values_at(owner, (*place, name))} - {None}
+    fields = [parts(path) for path in given if RETURNED not in path]
+    return {(*path, *parts(suffix), *parts(handed)) for callback in callbacks
+            for parameter, suffix in _bindings(callback) for handed in _returned_of(callback, parameter, _DEPTH)
+            for path in fields}
 
 
 @functools.lru_cache(maxsize=1024)
