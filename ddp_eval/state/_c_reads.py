@@ -107,7 +107,8 @@ _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a stand-i
 
 Calls = FrozenSet[Tuple[Tuple[str, ...], str]]  # (the fields leading to an object, its method called)
 Named = FrozenSet[Tuple[types.FunctionType, str]]  # a global's name, and a function that names it
-Held = FrozenSet[Tuple[Tuple[str, ...], str, bool]]  # (fields leading to a callable held, a path given, itself)
+Held = FrozenSet[Tuple[Tuple[str, ...], str, bool, Argument]]  # (fields leading to a callable held, a path
+# given, itself, the argument it is)
 Scan = Tuple[FrozenSet[str], Calls, Named, FrozenSet[str], Held]  # read in C, called, globals named, given to calls
 
 
@@ -159,16 +160,16 @@ def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
             continue
         done.add((path, type(owner), methods))
         owners[id(owner)] = owner
-        reads, calls, more, given, held = _scan(type(owner), methods)
+        reads, calls, more, given, held_calls = _scan(type(owner), methods)
         reads, todo, seen = set(reads), list(calls), set(calls)
-        for chain, given_path, itself in held:  # self.hparams.dump(self.stats): a library's function it holds
+        for chain, given_path, itself, _ in held_calls:  # self.hparams.dump(self.stats): a library's function it holds
             for target in _held_callables(owner, chain):
                 if _a_librarys_reader(target) and not _callback(target):
                     reads.add(_in_c(given_path, itself and not _only_iterates(target)))
         named |= more
         while todo:
             place, method = todo.pop()
-            for fields in _expand(owner, place, given):
+            for fields in _expand(owner, place, held_calls):
                 targets = values_at(owner, fields)
                 for target in {id(value) if method == CALLED else type(value): value for value in targets}.values():
                     if method.startswith("{"):  # getattr(self.stats, name)(...): any method of its own
@@ -195,9 +196,9 @@ def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
                             continue
                         callback = _callback(target)
                         if callback:  # self.hparams.score(self.stats, x): as a module's function given them
-                            for parameter, suffix in _bindings(callback):
-                                more_reads, more_calls = _as_given(*_scan_function(callback, (parameter,), _DEPTH)[:2],
-                                                                   {f"{path}{suffix}" for path in given})
+                            for selves, passed in _passed(target, held_calls, place, method, given).items():
+                                more_reads, more_calls = _as_given(*_scan_function(callback, selves, _DEPTH)[:2],
+                                                                   passed)
                                 reads |= more_reads
                                 todo += [call for call in more_calls - seen]
                                 seen |= more_calls
@@ -206,7 +207,8 @@ def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
                         continue  # a method of the owner's own its code calls: scanned with it
                     if _the_recipes(function):
                         pending.append(((*path, *held), target, (name,)))
-        found |= {label_of((*path, *concrete)) for name in reads for concrete in _expand(owner, parts(name), given)}
+        found |= {label_of((*path, *concrete)) for name in reads
+                  for concrete in _expand(owner, parts(name), held_calls)}
     return found, list(owners.values()), named
 
 
@@ -312,13 +314,13 @@ def _held_callables(owner: Any, chain: Tuple[str, ...]) -> Iterator[Any]:
         yield fields_of(value).get(chain[-1], inspect.getattr_static(type(value), chain[-1], None))
 
 
-def _expand(owner: Any, path: Sequence[str], given: Iterable[str] = (), depth: int = _DEPTH
+def _expand(owner: Any, path: Sequence[str], held: Held = frozenset(), depth: int = _DEPTH
             ) -> List[Tuple[str, ...]]:
     """``path`` with each ``{pattern}`` (:data:`~ddp_eval.state._field_flow.ANY`) replaced
     by each field held there, ``**`` (:data:`BELOW`) by the place itself and each
     place below it (:func:`_below`), and ``name()`` by what that method of the
     recipe's hands back (:func:`_handed_back_by`), or the function of the recipe's
-    held there given what the code gives calls, ``given`` (:func:`_handed_back_of`),
+    held there, given the fields ``held`` says the code gives it (:func:`_handed_back_of`),
     ``depth`` methods deep."""
     found: List[Tuple[str, ...]] = [()]
     for at, part in enumerate(path):
@@ -327,8 +329,8 @@ def _expand(owner: Any, path: Sequence[str], given: Iterable[str] = (), depth: i
             return list(dict.fromkeys(
                 expanded for place in found for handed in (
                     *((*place, *parts(handed)) for handed in _handed_back_by(owner, place, name)),
-                    *_handed_back_of(owner, place, name, given))
-                for expanded in _expand(owner, parts(label_of((*handed, *path[at + 1:]))), given, depth - 1)
+                    *_handed_back_of(owner, place, name, held))
+                for expanded in _expand(owner, parts(label_of((*handed, *path[at + 1:]))), held, depth - 1)
             )) if depth else []
         if part == BELOW:
             found = [(*place, *below) for place in found for below in _below(values_at(owner, place))]
@@ -348,16 +350,32 @@ def _handed_back_by(owner: Any, place: Sequence[str], name: str) -> Set[str]:
     return set().union(*(_handed_back_by_class(cls, name) for cls in classes))
 
 
-def _handed_back_of(owner: Any, place: Sequence[str], name: str, given: Iterable[str]) -> Set[Tuple[str, ...]]:
+def _handed_back_of(owner: Any, place: Sequence[str], name: str, held: Held) -> Set[Tuple[str, ...]]:
     """The paths (:func:`parts`), from ``owner``, of what the recipe's function held at
     ``place`` as ``name`` (``self.hparams.snapshot``, ``!name:`` in hparams;
-    ``self.snap``) hands back, given any of the fields ``given`` (not what calls hand
-    back)."""
-    callbacks = {_callback(value) for value in values_at(owner, (*place, name))} - {None}
-    fields = [parts(path) for path in given if RETURNED not in path]
-    return {(*path, *parts(suffix), *parts(handed)) for callback in callbacks
-            for parameter, suffix in _bindings(callback) for handed in _returned_of(callback, parameter, _DEPTH)
-            for path in fields}
+    ``self.snap``) hands back of the fields ``held`` says the code gives it."""
+    held_there = [(path, argument) for chain, path, itself, argument in held if chain == (*place, name) and itself]
+    return {(*parts(path), *parts(suffix), *parts(handed)) for value in values_at(owner, (*place, name))
+            if _callback(value) for path, argument in held_there
+            for parameter, suffix in _bindings(_callback(value), _past_bound(value, argument))
+            for handed in _returned_of(_callback(value), parameter, _DEPTH)}
+
+
+def _passed(target: Any, held: Held, place: Sequence[str], method: str, given: FrozenSet[str]
+            ) -> Dict[Tuple[str, ...], Set[str]]:
+    """The parameters of the recipe's function ``target`` (or the one it wraps), held at
+    ``place`` (``method``: its name there, or :data:`CALLED` if ``place`` ends with it),
+    to scan, each with the fields given it: by the arguments ``held`` says the code
+    gives it (``self.hparams.score(self.stats, x)``), else all of its parameters at
+    once for every field ``given`` a call."""
+    chain, callback = tuple(place) if method == CALLED else (*place, method), _callback(target)
+    passed: Dict[Tuple[str, ...], Set[str]] = collections.defaultdict(set)
+    for held_chain, path, itself, argument in held:
+        if held_chain == chain and itself:
+            for parameter, suffix in _bindings(callback, _past_bound(target, argument)):
+                passed[(parameter,)].add(f"{path}{suffix}")
+    code = callback.__code__
+    return passed or {code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]: set(given)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -457,29 +475,30 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
                   if instruction.opname in ("LOAD_GLOBAL", "STORE_GLOBAL")}
         found, called, given = uses(code, selves, iterated)
         reads, calls, gives = reads | found, calls | called, gives | given
-        given_to: Dict[Any, Dict[Optional[str], Set[str]]] = collections.defaultdict(  # a module's function ->
-            lambda: collections.defaultdict(set))  # its parameter (None: not known) -> the fields given to it
+        given_to: Dict[Any, Dict[Tuple[str, ...], Set[str]]] = collections.defaultdict(  # a module's function ->
+            lambda: collections.defaultdict(set))  # its parameters scanned together -> the fields given to them
         for names, path, itself, argument in given_to_calls(code, selves, iterated):  # torch.stack(self.losses)
             if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
-                held.add((names[1:], path, itself))
+                held.add((names[1:], path, itself, argument))
             elif _a_librarys_reader(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))
             elif _the_recipes(taker) and itself:  # not meter in meter.update(value(b))
                 for parameter, suffix in _bindings(taker, argument):
-                    given_to[taker][parameter].add(f"{path}{suffix}")
+                    given_to[taker][(parameter,)].add(f"{path}{suffix}")
         for nested, passed in passed_functions(code, selves, iterated).items():  # map(lambda m: ..., v)
             parameters = nested.co_varnames[:nested.co_argcount + nested.co_kwonlyargcount]
             for inner, looped in _with_nested(nested, parameters):
                 found, called = _as_given(*uses(inner, parameters, looped)[:2], passed)
                 reads, calls = reads | found, calls | called
         for module_function, called_here in _module_functions(instructions, function.__globals__).items():
+            code_of = module_function.__code__
             by_parameter = given_to[module_function] if called_here else {  # map(update, ...): any parameter
-                parameter: {f"{path}{suffix}" for path in given} for parameter, suffix in _bindings(module_function)}
+                code_of.co_varnames[:code_of.co_argcount + code_of.co_kwonlyargcount]: given}
             if not depth:  # deeper than the scan goes: what it is given counts as read in C, with what it holds
                 reads |= {_in_c(plain(path), True) for passed in by_parameter.values() for path in passed}
                 continue
-            for parameter, passed in by_parameter.items() or {None: set()}.items():  # each parameter given a field
-                found, called, more, _, _ = _scan_function(module_function, (parameter,) if passed else (), depth - 1)
+            for parameters, passed in by_parameter.items() or {(): set()}.items():  # each parameter given a field
+                found, called, more, _, _ = _scan_function(module_function, parameters if passed else (), depth - 1)
                 named |= more
                 found, called = _as_given(found, called, passed)
                 reads, calls = reads | found, calls | called
@@ -488,7 +507,7 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
             frozenset((parts(label), method) for fields, method in calls
                       for label in _through_functions({label_of(fields)}, here)),
             frozenset(named), frozenset(_through_functions(gives, here)),
-            frozenset((chain, label, itself) for chain, path, itself in held
+            frozenset((chain, label, itself, argument) for chain, path, itself, argument in held
                       for label in _through_functions({path}, here)))
 
 
@@ -527,9 +546,9 @@ def _bindings(function: types.FunctionType, argument: Argument = None) -> List[T
     """The parameters of ``function`` a call's ``argument``
     (:func:`~ddp_eval.state._field_flow.given_to_calls`) may bind, each with what
     makes the given value's path the parameter's: ``f(self.stats)`` binds ``stats``
-    (``""``) or ``*values`` (``[^]``: ``values[0]`` is ``stats``); ``f(*args)``
-    (``"*"``) binds each positional parameter to an entry (``[*]``) and ``*values`` to
-    it; ``f(**kwargs)`` (``"**"``) likewise by keyword; None (not known) any.
+    (``""``) or ``*values`` (``[^]``: ``values[0]`` is ``stats``); an entry of a
+    sequence spread, ``f(*args)`` (``"*"``), any positional parameter or ``*values``;
+    of a mapping, ``f(**kwargs)`` (``"**"``), likewise by keyword; None (not known) any.
 
     Example
     -------
@@ -538,7 +557,7 @@ def _bindings(function: types.FunctionType, argument: Argument = None) -> List[T
     >>> _bindings(snapshot, 0), _bindings(snapshot, 3), _bindings(snapshot, "indent")
     ([('stats', '')], [('values', '[^]')], [('options', '[^]')])
     >>> _bindings(snapshot, "*")
-    [('stats', '[*]'), ('digits', '[*]'), ('values', '')]
+    [('stats', ''), ('digits', ''), ('values', '[^]')]
     """
     code = function.__code__
     positional = code.co_varnames[:code.co_argcount]
@@ -549,13 +568,20 @@ def _bindings(function: types.FunctionType, argument: Argument = None) -> List[T
     packed = [parameter for parameter in (varargs, varkw) if parameter]
     if isinstance(argument, int):
         return [(positional[argument], "")] if argument < len(positional) else [(varargs, HELD)] if varargs else []
-    if argument in ("*", "**"):
+    if argument in ("*", "**"):  # given the entries spread
         spread, rest = (positional, varargs) if argument == "*" else (named, varkw)
-        return [(parameter, ENTRY) for parameter in spread] + ([(rest, "")] if rest else [])
+        return [(parameter, "") for parameter in spread] + ([(rest, HELD)] if rest else [])
     if argument is None:
         return [(parameter, "") for parameter in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]] + [
             (parameter, HELD) for parameter in packed]
     return [(argument, "")] if argument in named else [(varkw, HELD)] if varkw else []
+
+
+def _past_bound(target: Any, argument: Argument) -> Argument:
+    """A call's ``argument`` to ``target`` as an argument of the function it wraps: a
+    ``functools.partial``'s positions come after the arguments it binds."""
+    shifted = isinstance(target, functools.partial) and isinstance(argument, int)
+    return argument + len(target.args) if shifted else argument
 
 
 def _in_c(path: str, whole: bool) -> str:

@@ -110,7 +110,8 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
         held = [(selves[0], *parts(plain(path))) for path in loads[callee][1] if path.endswith(ENTRY)] if (
             callee in loads and not names) else []  # self.handlers["dump"](self.stats): an entry it holds
         argument = _argument_at(instructions, taker, above)
-        found |= {(callable_, plain(path), not _handed_back(instructions, end), argument)
+        spread = ENTRY if argument in ("*", "**") else ""  # f(*args): what it is given are the entries
+        found |= {(callable_, plain(f"{path}{spread}"), not _handed_back(instructions, end), argument)
                   for callable_ in ([names] if names else held) for path in paths}
     return found
 
@@ -138,8 +139,9 @@ def _argument_at(instructions: List[dis.Instruction], taker: int, above: int) ->
 def is_called(instructions: List[dis.Instruction], at: int) -> bool:
     """Whether the value pushed ``at`` is what a call calls (``update(...)``), not
     given or stored (``map(update, ...)``)."""
-    taker = _taker(instructions, at)
-    return taker is not None and instructions[taker].opname == "CALL"
+    taker, above = _take(instructions, at)
+    return taker is not None and (instructions[taker].opname == "CALL" or (
+        instructions[taker].opname == "CALL_FUNCTION_EX" and _argument_at(instructions, taker, above) is None))
 
 
 def _handed_back(instructions: List[dis.Instruction], end: int) -> bool:
