@@ -954,6 +954,46 @@ class HeldByLocalInC(FieldsInC):
         self.late.append(json.dumps(snapshot(self.stats)))
 
 
+class Writer:
+    """An object of the recipe's own the Brain does not hold, whose bound methods it does."""
+
+    def write(self, stats):
+        return json.dumps(vars(stats))
+
+    def snapshot(self, stats):
+        return {"count": stats.count}
+
+
+_WRITER = Writer()
+
+
+class BoundInDictInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.handlers = {"write": _WRITER.write}
+
+    def _read(self, b):  # a bound method of an object the Brain does not hold, held in a dict
+        self.late.append(self.handlers["write"](self.stats))
+
+
+class BoundReturnedInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.handlers = {"snapshot": _WRITER.snapshot}
+
+    def _read(self, b):  # a library's function given what it hands back
+        self.late.append(json.dumps(self.handlers["snapshot"](self.stats)))
+
+
+class BoundFieldInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.write = _WRITER.write
+
+    def _read(self, b):  # one an attribute holds
+        self.late.append(self.write(self.stats))
+
+
 class UnchangedInC(FieldsInC):
     def _read(self, b):  # a library reads fields no batch changes; an object only iterated
         self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
@@ -982,7 +1022,7 @@ class CheckedOnly(FieldsInC):
                                     FunctionReturnedInC, FunctionEntryInC, FunctionByLocalInC, HandlersInC,
                                     SpreadInC, SpreadMappingInC, SpreadLocalInC, PackedInC, PackedLoopedInC,
                                     PackedKeywordInC, PackedReturnedInC, SpreadReturnedInC, HeldReturnedInC,
-                                    HeldEntryInC, HeldByLocalInC,
+                                    HeldEntryInC, HeldByLocalInC, BoundInDictInC, BoundReturnedInC, BoundFieldInC,
                                     UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
@@ -992,14 +1032,15 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     dict's entry), five calls down, two objects below, through a helper's parameter
     matched by position or keyword, spread (``f(*args)``, ``f(**options)``) or packed
     (``def f(*values)``), or what a method or function of the recipe's hands back (one
-    ``hparams`` or an attribute holds too);
+    ``hparams``, an attribute or a dict holds too, a bound method of an object the Brain
+    does not hold);
     fields no batch changes, an object given to ``isinstance`` or only iterated, a
     helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
              UnchangedInC: {"config.count", "config.total"},
              CheckedOnly: set(), Converted: set(), ReturnedComputed: set(), ReturnedOperand: {"stats.count"},
              ReturnedEntry: {"stats.count", "stats.total"}, PackedReturnedInC: {"stats.count"},
-             SpreadReturnedInC: {"stats.count"},
+             SpreadReturnedInC: {"stats.count"}, BoundReturnedInC: {"stats.count"},
              PackedLoopedInC: {"config.count", "config.total", "stats.count", "stats.total"},
              GotInC: {"per[*].count", "per[*].total"}}.get(
         recipe, {"stats.count", "stats.total"})

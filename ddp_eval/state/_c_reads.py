@@ -228,8 +228,9 @@ def _place_of(owner: Any, held: Any) -> Optional[Tuple[str, ...]]:
 
 def _callback(value: Any) -> Optional[types.FunctionType]:
     """The recipe's function ``value`` is, or wraps as a ``functools.partial``
-    (``!name:`` in hparams), if any."""
+    (``!name:`` in hparams) or a bound method (of an object the Brain does not hold), if any."""
     function = value.func if isinstance(value, functools.partial) else value
+    function = function.__func__ if isinstance(function, types.MethodType) else function
     return function if _the_recipes(function) else None
 
 
@@ -354,8 +355,9 @@ def _handed_back_of(owner: Any, place: Sequence[str], name: str, held: Held) -> 
     """The paths (:func:`parts`), from ``owner``, of what the recipe's function held at
     ``place`` as ``name`` (``self.hparams.snapshot``, ``!name:`` in hparams;
     ``self.snap``) hands back of the fields ``held`` says the code gives it."""
-    held_there = [(path, argument) for chain, path, itself, argument in held if chain == (*place, name) and itself]
-    return {(*parts(path), *parts(suffix), *parts(handed)) for value in values_at(owner, (*place, name))
+    chain = (*place, name) if name else tuple(place)  # self.handlers[k](...): the entry itself called
+    held_there = [(path, argument) for chain_held, path, itself, argument in held if chain_held == chain and itself]
+    return {(*parts(path), *parts(suffix), *parts(handed)) for value in values_at(owner, chain)
             if _callback(value) for path, argument in held_there
             for parameter, suffix in _bindings(_callback(value), _past_bound(value, argument))
             for handed in _returned_of(_callback(value), parameter, _DEPTH)}
@@ -579,9 +581,13 @@ def _bindings(function: types.FunctionType, argument: Argument = None) -> List[T
 
 def _past_bound(target: Any, argument: Argument) -> Argument:
     """A call's ``argument`` to ``target`` as an argument of the function it wraps: a
-    ``functools.partial``'s positions come after the arguments it binds."""
-    shifted = isinstance(target, functools.partial) and isinstance(argument, int)
-    return argument + len(target.args) if shifted else argument
+    ``functools.partial``'s positions come after the arguments it binds, a bound
+    method's after its object."""
+    if not isinstance(argument, int):
+        return argument
+    bound = len(target.args) if isinstance(target, functools.partial) else 0
+    inner = target.func if isinstance(target, functools.partial) else target
+    return argument + bound + isinstance(inner, types.MethodType)
 
 
 def _in_c(path: str, whole: bool) -> str:

@@ -418,7 +418,7 @@ def _method_results(instructions: List[dis.Instruction], loads: Loads, selves: T
     for end, (start, paths) in loads.items():  # snap = self.stats.snapshot; snap(): the method loaded, then called
         taker = _taker(instructions, end)
         if taker is not None and _is_callable(instructions, taker) and not any(
-                path.endswith((ENTRY, HELD)) for path in paths):
+                path.endswith(HELD) for path in paths):
             found[taker if instructions[taker].opname == "CALL" else taker + 1] = (
                 start, frozenset(f"{path}{RETURNED}" for path in paths))
     return found
