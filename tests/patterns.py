@@ -42,7 +42,8 @@ rank, returning what ``on_stage_end`` saw.
   after a read of their length: named.
 * ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
   written per batch by ``json.dumps`` of what its method hands back, by a helper given
-  it with a second parameter, and by ``json.dumps`` held in a dict of ``hparams``:
+  it with a second parameter (also ahead of a spread tuple), by ``json.dumps`` held in
+  a dict of ``hparams``, and of what a function of the recipe's ``hparams`` hold hands back:
   ``json.dumps`` reads its numbers in C, on a rank its own batches' only. The
   accumulator merges exactly; the summaries are named.
 
@@ -539,16 +540,21 @@ class PatternBrain(toy.ToyBrain):
 
     def _start_c_reads(self, stage):
         self.loss_stats, self.by_method, self.by_helper, self.by_hparams = LossStats(), [], [], []
+        self.by_spread, self.by_callback = [], []
 
     def _batch_c_reads(self, logits, labels, loss, batch, stage):
         self.loss_stats.update(round(float(loss), 6))
         self.by_method.append(json.dumps(self.loss_stats.snapshot()))  # what its method hands back
         self.by_helper.append(_summary(self.loss_stats, None))  # a helper's first parameter
         self.by_hparams.append(self.hparams.writers["json"](self.loss_stats))  # json.dumps in a dict
+        rest = (None,)
+        self.by_spread.append(_summary(self.loss_stats, *rest))  # ahead of a spread tuple
+        self.by_callback.append(json.dumps(self.hparams.snapshot(self.loss_stats)))  # `!name:` of the recipe's
 
     def _end_c_reads(self, stage, stage_loss, epoch):
         return {"count": self.loss_stats.count, "total": self.loss_stats.total, "by_method": list(self.by_method),
-                "by_helper": list(self.by_helper), "by_hparams": list(self.by_hparams)}
+                "by_helper": list(self.by_helper), "by_hparams": list(self.by_hparams),
+                "by_spread": list(self.by_spread), "by_callback": list(self.by_callback)}
 
 
 class LossStats:
@@ -567,6 +573,10 @@ class LossStats:
 
 def _summary(stats, indent):
     return json.dumps(vars(stats), indent=indent)
+
+
+def _snapshot(stats):
+    return {"count": stats.count, "total": stats.total}
 
 
 class DDPPatternBrain(ddp_eval.DDPEvalMixin, PatternBrain):
@@ -592,6 +602,7 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
         brain.hparams.lists = {"kept": []}  # as a YAML's `lists: {kept: []}`
     if pattern == "c_reads":
         brain.hparams.writers = {"json": functools.partial(json.dumps, default=vars)}  # `!name:json.dumps` in a dict
+        brain.hparams.snapshot = functools.partial(_snapshot)  # `!name:` of a function of the recipe's
     if pattern == "training_only":
         brain.hparams.speed_perturb = SpeedPerturb(orig_freq=8000, speeds=list(range(80, 121, 4)))
     return brain

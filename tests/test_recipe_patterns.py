@@ -290,18 +290,20 @@ def test_a_container_a_closure_also_holds_is_merged_and_its_reads_there_are_name
 
 def test_summaries_json_dumps_writes_of_an_accumulator_are_named(ranks, references):
     """Issue 37: ``json.dumps`` of what an accumulator's method hands back, of the
-    accumulator given to a helper with a second parameter, and through ``json.dumps``
-    held in a dict of ``hparams``, reads its numbers in C, on a rank its own batches'
-    only: each summary is named, with the read; the accumulator itself is exact."""
+    accumulator given to a helper with a second parameter (also ahead of a spread
+    tuple), through ``json.dumps`` held in a dict of ``hparams``, and of what a
+    function of the recipe's ``hparams`` hold hands back, reads its numbers in C, on a
+    rank its own batches' only: each summary is named, with the read; the accumulator
+    itself is exact."""
     world_size, outs = ranks
     want = evaluation_records(references["c_reads"])
     assert want[0]["count"] == 8 and want[0]["by_method"][-1] == json.dumps({"count": 8, "total": want[0]["total"]})
     for out in outs:
         got = evaluation_records(out["c_reads"])
         assert [(g["count"], g["total"]) for g in got] == [(w["count"], w["total"]) for w in want]
-        for key in ("by_method", "by_helper", "by_hparams"):
+        for key in ("by_method", "by_helper", "by_hparams", "by_spread", "by_callback"):
             assert any(g[key] != w[key] for g, w in zip(got, want)), key  # each rank's own count: no merge is right
     warnings = " ".join(outs[0]["c_reads"]["warnings"])
-    for key in ("by_method", "by_helper", "by_hparams"):
+    for key in ("by_method", "by_helper", "by_hparams", "by_spread", "by_callback"):
         assert f"'{key}'" in warnings, (key, warnings)
     assert "batches read [" in warnings and "'loss_stats.count'" in warnings, warnings
