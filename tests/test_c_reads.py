@@ -994,6 +994,18 @@ class BoundFieldInC(FieldsInC):
         self.late.append(self.write(self.stats))
 
 
+class BuiltDictInC(FieldsInC):
+    def _read(self, b):  # a library's function in a dict the batch builds: a callable the scan cannot tell
+        dumpers = {"json": functools.partial(json.dumps, default=vars)}
+        self.late.append(dumpers["json"](self.stats))
+
+
+class BuiltListInC(FieldsInC):
+    def _read(self, b):  # in a list the batch builds, given the object's __dict__
+        dumpers = [json.dumps]
+        self.late.append(dumpers[0](self.stats.__dict__))
+
+
 class UnchangedInC(FieldsInC):
     def _read(self, b):  # a library reads fields no batch changes; an object only iterated
         self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
@@ -1023,6 +1035,7 @@ class CheckedOnly(FieldsInC):
                                     SpreadInC, SpreadMappingInC, SpreadLocalInC, PackedInC, PackedLoopedInC,
                                     PackedKeywordInC, PackedReturnedInC, SpreadReturnedInC, HeldReturnedInC,
                                     HeldEntryInC, HeldByLocalInC, BoundInDictInC, BoundReturnedInC, BoundFieldInC,
+                                    BuiltDictInC, BuiltListInC,
                                     UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
@@ -1033,7 +1046,7 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     matched by position or keyword, spread (``f(*args)``, ``f(**options)``) or packed
     (``def f(*values)``), or what a method or function of the recipe's hands back (one
     ``hparams``, an attribute or a dict holds too, a bound method of an object the Brain
-    does not hold);
+    does not hold), or a callable the scan cannot tell (a dict or list the batch builds);
     fields no batch changes, an object given to ``isinstance`` or only iterated, a
     helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},

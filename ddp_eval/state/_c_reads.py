@@ -85,6 +85,7 @@ from ddp_eval.state._field_flow import (
     FUNCTION,
     HELD,
     RETURNED,
+    UNKNOWN,
     Argument,
     Iterated,
     comprehensions,
@@ -480,7 +481,9 @@ def _scan_function(function: types.FunctionType, selves: Tuple[str, ...], depth:
         given_to: Dict[Any, Dict[Tuple[str, ...], Set[str]]] = collections.defaultdict(  # a module's function ->
             lambda: collections.defaultdict(set))  # its parameters scanned together -> the fields given to them
         for names, path, itself, argument in given_to_calls(code, selves, iterated):  # torch.stack(self.losses)
-            if names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
+            if names == UNKNOWN:  # a callable the scan cannot tell may read in C what it is given
+                reads.add(_in_c(path, itself))
+            elif names[0] in selves:  # self.hparams.dump(self.stats): found on the owner
                 held.add((names[1:], path, itself, argument))
             elif _a_librarys_reader(taker := _resolve(names, function.__globals__)):
                 reads.add(_in_c(path, itself and not _only_iterates(taker)))

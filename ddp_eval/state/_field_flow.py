@@ -39,6 +39,7 @@ HELD = "[^]"  # in a path: a display holding the value (``(self.a, self.b)``: ``
 CALLED = "()"  # as a method's name: the value itself is called (``self.handlers[k](x)``)
 RETURNED = "()"  # ending a path's part: what that method hands back (``stats.snapshot()``)
 FUNCTION = "@"  # starting such a part: a function's, given the value (``stats.@snapshot#0()``)
+UNKNOWN = ("?",)  # a callable the scan cannot tell (``out.extend(self.ids)`` on a local list; ``fns[0](x)``)
 _OPERATORS = ("BINARY_OP", "COMPARE_OP")
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF")
 _SEEN_CONSTANTS = (int, str, bytes)  # on the left, these try the probe's reflected method (an int's: its own)
@@ -109,11 +110,23 @@ def given_to_calls(code: types.CodeType, selves: Tuple[str, ...], iterated: Iter
         names = _from_a_global(instructions, callee, selves)
         held = [(selves[0], *parts(plain(path))) for path in loads[callee][1] if path.endswith(ENTRY)] if (
             callee in loads and not names) else []  # self.handlers["dump"](self.stats): an entry it holds
+        if not names and not held and not _makes_function(instructions, callee):
+            held = [UNKNOWN]
         argument = _argument_at(instructions, taker, above)
         spread = ENTRY if argument in ("*", "**") else ""  # f(*args): what it is given are the entries
         found |= {(callable_, plain(f"{path}{spread}"), not _handed_back(instructions, end), argument)
                   for callable_ in ([names] if names else held) for path in paths}
     return found
+
+
+def _makes_function(instructions: List[dis.Instruction], callee: Optional[int]) -> bool:
+    """Whether the callable pushed at ``callee`` is a function the code makes (a local
+    bound to a nested ``def`` or ``lambda``: :func:`passed_functions` follows it)."""
+    if callee is None or instructions[callee].opname not in ("LOAD_FAST", "LOAD_DEREF"):
+        return False
+    store = next((i for i in range(callee - 1, 0, -1) if instructions[i].opname in ("STORE_FAST", "STORE_DEREF")
+                  and instructions[i].argval == instructions[callee].argval), None)
+    return store is not None and instructions[store - 1].opname == "MAKE_FUNCTION"
 
 
 def _argument_at(instructions: List[dis.Instruction], taker: int, above: int) -> Argument:
