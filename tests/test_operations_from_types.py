@@ -224,7 +224,7 @@ def programs(draw, names=grammar.NAMES):
 QUICK_LANE = os.environ.get("DDP_EVAL_QUICK_LANE") == "1"  # -m fast alone (conftest.py)
 SHORT = settings(max_examples=60 if QUICK_LANE else 150, derandomize=True, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-LONG = settings(max_examples=2000, derandomize=True, deadline=None,
+LONG = settings(max_examples=1000, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
