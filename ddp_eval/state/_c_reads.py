@@ -357,28 +357,32 @@ def _handed_back_of(owner: Any, place: Sequence[str], name: str, held: Held) -> 
     ``place`` as ``name`` (``self.hparams.snapshot``, ``!name:`` in hparams;
     ``self.snap``) hands back of the fields ``held`` says the code gives it."""
     chain = (*place, name) if name else tuple(place)  # self.handlers[k](...): the entry itself called
-    held_there = [(path, argument) for chain_held, path, itself, argument in held if chain_held == chain and itself]
-    return {(*parts(path), *parts(suffix), *parts(handed)) for value in values_at(owner, chain)
-            if _callback(value) for path, argument in held_there
-            for parameter, suffix in _bindings(_callback(value), _past_bound(value, argument))
-            for handed in _returned_of(_callback(value), parameter, _DEPTH)}
+    return {(*parts(path), *parts(handed)) for value in values_at(owner, chain) if _callback(value)
+            for parameter, paths in _held_arguments(value, held, chain).items()
+            for handed in _returned_of(_callback(value), parameter, _DEPTH) for path in paths}
 
 
 def _passed(target: Any, held: Held, place: Sequence[str], method: str, given: FrozenSet[str]
             ) -> Dict[Tuple[str, ...], Set[str]]:
     """The parameters of the recipe's function ``target`` (or the one it wraps), held at
     ``place`` (``method``: its name there, or :data:`CALLED` if ``place`` ends with it),
-    to scan, each with the fields given it: by the arguments ``held`` says the code
-    gives it (``self.hparams.score(self.stats, x)``), else all of its parameters at
-    once for every field ``given`` a call."""
-    chain, callback = tuple(place) if method == CALLED else (*place, method), _callback(target)
-    passed: Dict[Tuple[str, ...], Set[str]] = collections.defaultdict(set)
+    to scan, each with the fields given it (:func:`_held_arguments`), else all of its
+    parameters at once for every field ``given`` a call."""
+    chain = tuple(place) if method == CALLED else (*place, method)
+    passed = {(parameter,): paths for parameter, paths in _held_arguments(target, held, chain).items()}
+    code = _callback(target).__code__
+    return passed or {code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]: set(given)}
+
+
+def _held_arguments(target: Any, held: Held, chain: Tuple[str, ...]) -> Dict[str, Set[str]]:
+    """The paths of the fields the code gives the recipe's function ``target`` held at
+    ``chain`` (``self.hparams.score(self.stats, x)``), by the parameter each may bind."""
+    found: Dict[str, Set[str]] = collections.defaultdict(set)
     for held_chain, path, itself, argument in held:
         if held_chain == chain and itself:
-            for parameter, suffix in _bindings(callback, _past_bound(target, argument)):
-                passed[(parameter,)].add(f"{path}{suffix}")
-    code = callback.__code__
-    return passed or {code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]: set(given)}
+            for parameter, suffix in _bindings(_callback(target), _past_bound(target, argument)):
+                found[parameter].add(f"{path}{suffix}")
+    return found
 
 
 @functools.lru_cache(maxsize=1024)
