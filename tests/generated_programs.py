@@ -254,6 +254,12 @@ def _start(kind):
     return kind([0.5, 1.5, 2.5])
 
 
+def _add_deep(deep, x):
+    """``deep["VALID"]["spk"]["n"] += x``, then a read of it: what it holds now."""
+    deep["VALID"]["spk"]["n"] += x
+    return deep["VALID"]["spk"]["n"]
+
+
 class Brain:
     """What a recipe's Brain holds at stage start."""
 
@@ -276,6 +282,7 @@ class Brain:
         self.keep = functools.partial(list.append, [])
         self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
         self.pair = (0, 0.0)  # a tuple of numbers, rebound by batches: (count, total), (score, batch)
+        self.deep = {"VALID": {"spk": {"n": 0}}}  # its innermost entries are not watched one by one
         for attribute, (start_value, _) in UNREADABLE.items():  # rebound from their previous value
             setattr(self, attribute, start_value)
         self.frozen_tally = FrozenTally()
@@ -688,6 +695,14 @@ def _fixed():
         "if k not in d: d[k] = b": lambda h, b: h.c_dict.__setitem__(f"f{b % 2}", b) if f"f{b % 2}" not in h.c_dict
         else None,
         "if not first: first.append": lambda h, b: h.first.append(b) if not h.first else None,
+        # entries three subscripts down, which are not watched one by one, and a key read back after its batch set it
+        "deep[a][b][n] += 1": lambda h, b: _add_deep(h.deep, 1),
+        "if (deep[a][b][n] += 1) == 1: first.append": lambda h, b: h.first.append(b) if _add_deep(h.deep, 1) == 1
+        else None,
+        "deep[a][b][u] = b; first.append(it)": lambda h, b: (h.deep["VALID"]["spk"].__setitem__(f"u{b}", b),
+                                                             h.first.append(h.deep["VALID"]["spk"][f"u{b}"])),
+        "d[u] = b; first.append(d[u])": lambda h, b: (h.c_dict.__setitem__(f"u{b}", b), h.first.append(h.c_dict[
+            f"u{b}"])),
         "if len(first) < 2: first.append": lambda h, b: h.first.append(b) if len(h.first) < 2 else None,
         "first.append": lambda h, b: h.first.append(b),
         "first[i] = b": lambda h, b: h.first.__setitem__(b % 3, b),  # i from the start: another entry in one process

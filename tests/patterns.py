@@ -35,11 +35,14 @@ rank, returning what ``on_stage_end`` saw.
   with ``+=``, a tensor accumulated through ``.data``, a ``MetricStats`` subclass with a
   float field created lazily in a ``defaultdict``, a best score declared
   ``merge: max``, and (issue 37) one list held by two attributes, a dict's entry and
-  ``hparams``, grown through each: exact.
+  ``hparams``, grown through each, and a prediction read back from the dict its batch put
+  it in: exact.
 * ``unmergeable_code`` (issue 32): a list sorted after each append, a ``deque(maxlen=5)``
   of recent ids, a count read from accumulated state (``len(self.scores)``), and (issue
   37) metric objects whose lists are sorted and cut, inserted into, trimmed, or appended
   after a read of their length: named.
+  A count three subscripts down (``self.per_stage[stage]["spk"]["n"] += n``), not
+  watched one by one, set on several ranks, and what its reads steered: named.
 * ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
   written per batch by ``json.dumps`` of what its method hands back, by a helper given
   it with a second parameter (also ahead of a spread tuple), by ``json.dumps`` held in
@@ -408,6 +411,7 @@ class PatternBrain(toy.ToyBrain):
         self.best_score, self.last_ids = -1.0, None
         self.utt_ids = self.every_id = self.hparams.eval_ids = []  # one list, four places (issue 37)
         self.by_stage = {stage.name: self.utt_ids}
+        self.preds, self.pred_log = {}, []
 
     def _batch_idioms(self, logits, labels, loss, batch, stage):
         preds = logits.detach().argmax(-1)
@@ -421,6 +425,8 @@ class PatternBrain(toy.ToyBrain):
             self.per_spk.setdefault(f"spk{int(utt[-1]) % 3}", []).append(utt)
             self.per_class[label].add(float(prob[label]) - 0.25)
             self.transcript += f"{utt} {pred}\n"
+            self.preds[utt] = pred
+            self.pred_log.append(self.preds[utt])  # the batch's own entry, read back: not accumulated state
         self.seen_labels |= set(labels.tolist())
         self.prob_acc.data += probs.sum(0)
         self.best_score = max(self.best_score, float(probs.max()))
@@ -434,7 +440,8 @@ class PatternBrain(toy.ToyBrain):
                 "seen": sorted(self.seen_labels), "per_label": dict(self.per_label), "per_spk": dict(self.per_spk),
                 "per_class": {k: (v.total, v.n) for k, v in self.per_class.items()}, "transcript": self.transcript,
                 "prob_acc": self.prob_acc.tolist(), "best": self.best_score, "last_ids": self.last_ids,
-                "utt_ids": list(self.utt_ids), "aliases": (type(self.utt_ids).__name__, self.utt_ids is self.every_id
+                "utt_ids": list(self.utt_ids), "preds": dict(self.preds), "pred_log": list(self.pred_log),
+                "aliases": (type(self.utt_ids).__name__, self.utt_ids is self.every_id
                                                            is self.hparams.eval_ids is self.by_stage[stage.name])}
 
     # -- unmergeable_code (issue 32) -----------------------------------------------------
@@ -445,6 +452,7 @@ class PatternBrain(toy.ToyBrain):
         self.first_ids = []  # the first three utterances evaluated
         self.hardest, self.newest = KeepsHardest(), NewestFirst()  # metric objects whose lists are not only appended
         self.trimmed, self.first_five = MetricStats(metric=lambda x: x), MetricStats(metric=lambda x: x)
+        self.per_stage, self.early = {stage.name: {"spk": {"n": 0}}}, []  # a count three subscripts down
 
     def _batch_unmergeable_code(self, logits, labels, loss, batch, stage):
         self.sorted_scores.append(float(loss))
@@ -460,10 +468,14 @@ class PatternBrain(toy.ToyBrain):
         self.trimmed.ids, self.trimmed.scores = self.trimmed.ids[-4:], self.trimmed.scores[-4:]
         if len(self.first_five.ids) < 5:  # a read of the metric object's list steers its append
             self.first_five.append(batch.id, losses)
+        self.per_stage[stage.name]["spk"]["n"] += len(batch.id)
+        if self.per_stage[stage.name]["spk"]["n"] <= 6:  # each rank's own count
+            self.early.append(batch.id[0])
 
     def _end_unmergeable_code(self, stage, stage_loss, epoch):
         return {"sorted": list(self.sorted_scores), "recent": list(self.recent), "n_scores": self.n_scores,
-                "first_ids": list(self.first_ids),
+                "first_ids": list(self.first_ids), "deep_n": self.per_stage[stage.name]["spk"]["n"],
+                "early": list(self.early),
                 **{name: list(getattr(self, name).ids) for name in ("hardest", "newest", "trimmed", "first_five")}}
 
     # -- modules -------------------------------------------------------------------

@@ -353,6 +353,59 @@ def test_a_dict_of_one_entry_per_utterance_merges_in_order(layout):
         assert list(holder.scores.items()) == list(single.scores.items())
 
 
+def _deep_counter(h, b):  # three subscripts down: the dict holding "n" is not watched entry by entry
+    h.deep["VALID"]["spk"]["n"] += 1
+
+
+def _deep_counter_steering(h, b):
+    h.deep["VALID"]["spk"]["n"] += 1
+    if h.deep["VALID"]["spk"]["n"] == 1:  # a rank's own count: on each rank its first batch finds 1
+        h.first.append(b)
+
+
+def _late_key_counter_steering(h, b):  # past the first 64 keys
+    h.big["k99"] += 1
+    if h.big["k99"] < 3:
+        h.first.append(b)
+
+
+def _deep_set_once(h, b):  # one key per utterance, three subscripts down, read back: each rank sets its own
+    h.deep["VALID"]["spk"][f"u{b}"] = 10 * b
+    h.first.append(h.deep["VALID"]["spk"][f"u{b}"])
+
+
+def _unwatched():
+    return types.SimpleNamespace(deep={"VALID": {"spk": {"n": 0, **{f"u{b}": None for b in range(6)}}}}, first=[],
+                                 big={f"k{i}": 0 for i in range(100)}, other=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("batch, named", [(_deep_counter, {"deep"}), (_deep_counter_steering, {"deep", "first"}),
+                                          (_late_key_counter_steering, {"big", "first"}), (_deep_set_once, set())],
+                         ids=["deep counter", "deep counter steering", "late key steering", "deep set once"])
+def test_entries_not_watched_one_by_one_set_on_several_ranks_are_named_with_what_their_reads_steered(
+        batch, named, layout):
+    """A dict's entries past its first 64 keys, or three subscripts below the
+    attribute, are taken as set once (one per utterance): exact when one rank sets
+    each. Set on several ranks (``self.stats[stage][spk]["n"] += 1``), the entry is
+    named, with what a batch computed from reading it (each rank read its own
+    count); before, the nested counter took one rank's value, unnamed."""
+    def counting(h, b):
+        batch(h, b)
+        h.other += 1  # a value no read steers: named with the rest when one is
+
+    single, holders, result = simulate(_unwatched, counting, layout)
+    labels = {label.split("[")[0] for label in (*result.conflicts, *result.assumed)}
+    differs = {name for name, want in vars(single).items() if repr(getattr(holders[0], name)) != repr(want)}
+    if not named:
+        assert not labels and not differs, (labels, differs)
+        return
+    assert named <= labels and differs <= labels, (named, labels, differs)
+    assert {"deep", "big"} & differs if len(layout[0]) < 6 else True
+    why = next(why for label, why in result.conflicts.items() if label.split("[")[0] in named)
+    assert "not watch one by one" in why and "on_stage_end" in why, why
+
+
 @pytest.mark.parametrize("layout", [[list(range(0, 30, 2)), list(range(1, 30, 2))],
                                     [list(range(12)), list(range(12, 30)), []]], ids=["interleaved", "blocks"])
 def test_dict_and_list_entries_that_go_quiet_then_change_again(layout):

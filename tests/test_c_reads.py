@@ -1006,6 +1006,42 @@ class BuiltListInC(FieldsInC):
         self.late.append(dumpers[0](self.stats.__dict__))
 
 
+def _dumper():  # a function of the recipe's handing back a library's function
+    return json.dumps
+
+
+def _square_root():
+    return math.sqrt
+
+
+class MadeInC(FieldsInC):
+    def _read(self, b):  # a library's function a function of the recipe's hands back, then called
+        self.late.append(_square_root()(self.stats.count))
+
+
+class MadeLocalInC(FieldsInC):
+    def _read(self, b):
+        dump = _dumper()
+        self.late.append(dump(self.stats.count))
+
+
+class MadeByMethodInC(FieldsInC):
+    def _format(self):  # a bound method of a string, handed back
+        return "{:.3f}".format
+
+    def _read(self, b):
+        self.late.append(self._format()(self.stats.total))
+
+
+class MadeHeldInC(FieldsInC):
+    def __init__(self):
+        super().__init__()
+        self.dump = _dumper()  # held by an attribute
+
+    def _read(self, b):
+        self.late.append(self.dump(self.stats.count))
+
+
 class UnchangedInC(FieldsInC):
     def _read(self, b):  # a library reads fields no batch changes; an object only iterated
         self.late.append(json.dumps(vars(self.config)) + str(list(enumerate([self.stats]))[0][0]))
@@ -1035,7 +1071,7 @@ class CheckedOnly(FieldsInC):
                                     SpreadInC, SpreadMappingInC, SpreadLocalInC, PackedInC, PackedLoopedInC,
                                     PackedKeywordInC, PackedReturnedInC, SpreadReturnedInC, HeldReturnedInC,
                                     HeldEntryInC, HeldByLocalInC, BoundInDictInC, BoundReturnedInC, BoundFieldInC,
-                                    BuiltDictInC, BuiltListInC,
+                                    BuiltDictInC, BuiltListInC, MadeInC, MadeLocalInC, MadeByMethodInC, MadeHeldInC,
                                     UnchangedInC, CheckedOnly, Converted,
                                     ReturnedComputed])
 def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layout):
@@ -1046,14 +1082,16 @@ def test_a_librarys_function_given_an_object_reads_its_fields_in_c(recipe, layou
     matched by position or keyword, spread (``f(*args)``, ``f(**options)``) or packed
     (``def f(*values)``), or what a method or function of the recipe's hands back (one
     ``hparams``, an attribute or a dict holds too, a bound method of an object the Brain
-    does not hold), or a callable the scan cannot tell (a dict or list the batch builds);
+    does not hold), or a callable the scan cannot tell (a dict or list the batch builds,
+    what a function of the recipe's hands back);
     fields no batch changes, an object given to ``isinstance`` or only iterated, a
     helper's other parameter given to C code, what a method computes anew, are not."""
     reads = {DeepInC: {"outer.inner.count", "outer.inner.total"}, NestedInC: {"outer.inner.count", "outer.inner.total"},
              UnchangedInC: {"config.count", "config.total"},
              CheckedOnly: set(), Converted: set(), ReturnedComputed: set(), ReturnedOperand: {"stats.count"},
              ReturnedEntry: {"stats.count", "stats.total"}, PackedReturnedInC: {"stats.count"},
-             SpreadReturnedInC: {"stats.count"}, BoundReturnedInC: {"stats.count"},
+             SpreadReturnedInC: {"stats.count"}, BoundReturnedInC: {"stats.count"}, MadeInC: {"stats.count"},
+             MadeLocalInC: {"stats.count"}, MadeByMethodInC: {"stats.total"}, MadeHeldInC: {"stats.count"},
              PackedLoopedInC: {"config.count", "config.total", "stats.count", "stats.total"},
              GotInC: {"per[*].count", "per[*].total"}}.get(
         recipe, {"stats.count", "stats.total"})
@@ -1190,3 +1228,49 @@ def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
         label for record in records for label in record.report["unmergeable"]}
     assert any(h.hardest != single.hardest for h in holders)
     assert "hardest" in named, named
+
+
+class OwnEntryInC(Counting):
+    def __init__(self):
+        super().__init__()
+        self.preds, self.counts = {}, {"n": 0}
+
+    def _progress(self, b):  # the batch's own prediction, read back and given to C code
+        self.preds[f"u{b}"] = b * 10
+        self.late.append(json.dumps(self.preds[f"u{b}"]))
+
+
+class CountedEntryInC(OwnEntryInC):
+    def _progress(self, b):  # an entry the batch set from what it read of it: each rank's count
+        self.counts["n"] += 1
+        self.late.append(json.dumps(self.counts["n"]))
+
+
+class DefaultEntryInC(OwnEntryInC):
+    def _progress(self, b):  # as above, from a default on a rank's first batch
+        self.preds["n"] = self.preds.get("n", 0) + 1
+        self.late.append(json.dumps(self.preds["n"]))
+
+
+class StoredEntryInC(OwnEntryInC):
+    def _progress(self, b):  # the batch's own key, holding a watched number's rank-local value
+        self.preds[f"u{b}"] = self.correct
+        self.late.append(json.dumps(self.preds[f"u{b}"]))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2]], [[0, 1, 2], [3, 4, 5], []]],
+                         ids=["2", "one batch each", "3-one-idle"])
+@pytest.mark.parametrize("recipe", [OwnEntryInC, CountedEntryInC, DefaultEntryInC, StoredEntryInC])
+def test_a_dict_entry_its_batch_set_then_given_to_c_code_is_named_only_if_it_holds_a_ranks_value(recipe, layout):
+    """``self.preds[utt] = p``, then ``json.dumps(self.preds[utt])``: the batch reads back
+    its own value, as one process does; exact, nothing named (before, every value was
+    named). An entry the batch set from a read of it (``+=``, ``get(k, 0) + 1``) or
+    from a watched number holds the rank's own count: named."""
+    single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), layout)
+    named = {label.split("[")[0].split(".")[0] for label in (*merged.assumed, *merged.conflicts)}
+    differs = {name for name, want in vars(single).items() if repr(getattr(holders[0], name)) != repr(want)}
+    if recipe is OwnEntryInC:
+        assert not named and not differs, (named, differs)
+    else:
+        assert "late" in differs and differs <= named, (differs, named)

@@ -50,6 +50,17 @@ def test_the_property_fails_with_the_stage_end_checks_off(monkeypatch):
 
 
 @pytest.mark.fast
+def test_without_sending_up_entries_set_below_the_watched_depth_the_property_fails(monkeypatch):
+    """With an entry three subscripts down set anew (``self.deep[a][b]["n"] += 1``) left
+    out of its attribute's record, hypothesis finds a program whose nested counter is
+    silently one rank's."""
+    from ddp_eval.state import _watches
+
+    _fails_when_switched_off(monkeypatch, _watches, "SETS_BELOW_GO_UP", [
+        "deep[a][b][n] += 1", "if (deep[a][b][n] += 1) == 1: first.append", "first.append", "list.append"])
+
+
+@pytest.mark.fast
 def test_without_naming_steered_appends_the_property_fails(monkeypatch):
     """With the read-then-append naming switched off, hypothesis finds a program whose
     list is silently wrong (each rank's read saw its own batches only)."""

@@ -248,6 +248,12 @@ def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
         assert f"'{field}'" in warnings, (field, warnings)
     assert "insert()" in warnings and "then bound a new value to it" in warnings
     assert all(any(g[k] != w[k] for g, w in zip(got, want)) for k in ("hardest", "newest", "trimmed", "first_five"))
+    # a count three subscripts down, set on several ranks: named (before, one rank's count, unnamed), and so is
+    # what its reads steered
+    assert "'per_stage[" in warnings and "not watch one by one" in warnings, warnings
+    assert "'early'" in warnings, warnings
+    assert any(g["deep_n"] != w["deep_n"] for g, w in zip(got, want)) and any(
+        g["early"] != w["early"] for g, w in zip(got, want))
 
 
 def test_a_value_a_batch_computed_from_state_outside_the_brain_is_named_with_it(ranks, references):

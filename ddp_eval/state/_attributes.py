@@ -420,6 +420,9 @@ class AttributeTracker:
         # labels a batch found a key absent in, then maybe set it (if k not in d: self.n += 1; d[k] = 1): if the
         # value is named, its record did not replay alike, and what the read steered may differ too
         self.absent_reads: set = set()
+        # (label, key) of dict entries batches read other than right after setting them (d[k] += 1; if d[k] == 1):
+        # if ranks set the entry apart (a key not watched one by one), each read a rank's value
+        self.entry_reads: set = set()
         self.shape_reads: set = set()  # tensors and arrays whose length batches read: a read whole if it changed
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
@@ -482,6 +485,7 @@ class AttributeTracker:
                 self.read_then_set.setdefault(label, set()).update(operands - {label})
         self.whole_reads |= self.notes.whole
         self.absent_reads |= self.notes.absent
+        self.entry_reads |= self.notes.entries
         self.shape_reads |= self.notes.shape
         self._added = []
         self._record_created()

@@ -87,7 +87,7 @@ class BatchNotes:
     :meth:`ddp_eval.state._attributes.AttributeTracker.after_batch`)."""
 
     __slots__ = ("listening", "read", "indexed", "created", "reads", "whole", "sets", "operands", "absent",
-                 "shape", "copies", "shared", "rebound_places", "made", "bound_new")
+                 "entries", "fresh", "shape", "copies", "shared", "rebound_places", "made", "bound_new")
 
     def __init__(self) -> None:
         self.listening = False
@@ -99,6 +99,8 @@ class BatchNotes:
         self.sets: set = set()
         self.operands: dict = {}  # label of a number -> labels of watched numbers added to it (n += self.m)
         self.absent: set = set()  # dicts, sets and lists a batch found a key or index absent in
+        self.entries: set = set()  # (label, key) of dict entries a batch read (d[k], d.get(k)) but had not set first
+        self.fresh: dict = {}  # id(recording dict) -> keys the batch set before reading them: their reads are its own
         self.shape: set = set()
         self.copies: dict = {}  # id(container held at stage start) -> (container, its recording copy, label)
         self.shared: dict = {}  # id(recording copy) -> labels of the other places holding it (no probe stands in)
@@ -128,7 +130,7 @@ class BatchNotes:
         for recorded in self.indexed:
             recorded._indexed = recorded.absent = False
         for noted in (self.read, self.indexed, self.reads, self.whole, self.sets, self.operands, self.absent,
-                      self.shape):
+                      self.entries, self.fresh, self.shape):
             noted.clear()
         self.listening = ENABLED
 
@@ -166,6 +168,9 @@ def _noting(kind: type, name: str):
             self.steered = name  # a batch read the container's accumulated entries (or items[-1]), then grew it
         if name in ("__setitem__", "add", "setdefault") and self._indexed and args:  # the entry read is set again
             self.index_sets.add(_index_key(args[0]))
+        if name == "__setitem__" and args and self._notes.listening and self._depth == 0 and isinstance(
+                self, dict) and not _read_now(self, args[0]):  # d[k] = v before any read of d[k]
+            self._notes.fresh.setdefault(id(self), set()).add(args[0])
         if self._notes.listening and self._depth == 0:  # items.append(self.n): the plain number, n read whole
             found: List[str] = []
             args = tuple(arg if type(arg) in PLAIN or _own_probe(self, arg) or _made_now(arg)
@@ -184,6 +189,12 @@ def _noting(kind: type, name: str):
             self._depth -= 1
     noted.__name__ = name
     return noted
+
+
+def _read_now(recorded: Any, key: Any) -> bool:
+    """Whether the batch under way read ``recorded[key]`` (found or absent)."""
+    return (recorded.label, key) in recorded._notes.entries or (
+        recorded._indexed and _index_key(key) in recorded.index_reads)
 
 
 def _made_now(value: Any) -> bool:
@@ -273,6 +284,8 @@ def _handing_probe(method):
     on any rank."""
     def handing(self, key, default=None):
         if not dict.__contains__(self, key):
+            if self._notes.listening:  # a read of the key: what the batch sets it to next is not its own alone
+                self._notes.entries.add((self.label, key))
             if default is None and method.__name__ == "get":  # d.get(k) is None: k absent here, maybe not in one
                 _note_index(self, key, None)
             if type(default) in (int, float):
@@ -365,10 +378,15 @@ def _past_start(recorded: Any, index: Any) -> bool:
 
 
 def _note_entry(recorded: Any, key: Any, entry: Any) -> None:
-    """A dict's ``d[k]``: the value of an entry (a number, a string; not a probe, which
-    replays its reads, nor a container, whose key is its path) is noted as read, as
-    ``k in d`` is: on a rank it is what its batches alone made of the entry.
+    """A dict's ``d[k]``: noted in ``entries`` unless the batch set ``d[k]`` before
+    reading it (its own value); the value of an entry (a number, a string; not a probe,
+    which replays its reads, nor a container, whose key is its path) is also noted as
+    read, as ``k in d`` is: on a rank it is what its batches alone made of the entry.
     ``d[k] += 1`` sets it again: not a read."""
+    notes = recorded._notes
+    if not notes.listening or key in notes.fresh.get(id(recorded), ()):
+        return
+    notes.entries.add((recorded.label, key))
     if isinstance(entry, _VALUES) and not getattr(entry, "_ddp_probe", False):
         _note_index(recorded, key, entry)
 
@@ -392,7 +410,12 @@ def _entry_reading(kind: type, absent: type, note):
 
 
 def _note_index(recorded: Any, index: Any, entry: Any) -> None:
-    """Notes ``recorded[index]`` read by the batch under way (``entry``; None if out of range)."""
+    """Notes ``recorded[index]`` read by the batch under way (``entry``; None if out of range);
+    not a dict's entry the batch set before reading it (``d[utt] = x``, then ``d[utt]``): it
+    reads what the batch itself put there."""
+    fresh = recorded._notes.fresh.get(id(recorded))
+    if fresh and index in fresh:
+        return
     if recorded._notes.listening and STEERABLE:  # not a read of the whole (hist[i] += 1): not in read
         if not recorded._indexed:
             recorded._indexed, recorded.index_reads, recorded.index_sets = True, [], set()

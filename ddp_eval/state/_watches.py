@@ -73,6 +73,10 @@ EAGER_NEW_KEYS = 16
 QUIET_BATCHES = 8
 _warned_over_budget = set()  # labels warned about once per process
 
+# an entry set anew where entries are not watched one by one (self.x[a][b][c] += 1) sends its dict's record up
+# to the attribute's, so the merge sees it (tests switch it off to show that it matters)
+SETS_BELOW_GO_UP = True
+
 
 class Watch:
     """No in-place changes seen (numbers, strings, tuples, other objects)."""
@@ -262,9 +266,10 @@ class ListWatch(Watch):
                            "ddp_eval cannot replay in one process's order; append only, and sort or edit the "
                            "list in on_stage_end")
         if self.slot.why is None and unexplained(self.kept, self.obj[: self.start_len]):
-            self.slot.fail(f"entries it held at stage start (more than {SMALL_DICT}, so not watched one by one) "
-                           "were changed in place, which ddp_eval does not record for such lists; keep per-class "
-                           "counts in a tensor or a dict, or compute them in on_stage_end")
+            why = _why_not_one_by_one(self.slot, f"more than {SMALL_DICT}")
+            self.slot.fail(f"entries it held at stage start ({why}, so not watched one by one) were changed in "
+                           "place, which ddp_eval does not record for such lists; keep per-class counts in a tensor "
+                           "or a dict, or compute them in on_stage_end")
 
     def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
         batches, bounds = growth_since(self.changes, from_batch, self.start_len)
@@ -377,11 +382,19 @@ def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
     return changed
 
 
+def _why_not_one_by_one(slot: Any, otherwise: str) -> str:
+    """Why a container's entries are not watched one by one, for an error: its depth, or ``otherwise``."""
+    return f"{slot.depth} subscripts below the attribute" if slot.depth >= MAX_DEPTH else otherwise
+
+
 def _finish_entries(watch: Any) -> None:
     for key, entry in watch.entries.items():
         entry.watch.finish()
         if entry.why is not None:
             watch.slot.fail(f"its entry {key!r}: {entry.why}")
+        elif SETS_BELOW_GO_UP and (entry.watch.compared or (isinstance(entry.watch, DictWatch)
+                                                            and entry.watch._replaced())):
+            watch.compared = True  # below it, a key past those watched one by one set anew: its record goes up
 
 
 class DictWatch(Watch):
@@ -513,9 +526,11 @@ class DictWatch(Watch):
         _finish_entries(self)
         for key, start, marker in self.marked:  # entries past the first 64: replaced, or as they were
             if self.slot.why is None and dict.get(self.obj, key, ABSENT) is start and unexplained(marker, start):
-                self.slot.fail(f"its entry {key!r} (past the first {SMALL_DICT}, which are watched one by one) "
-                               "changed in place; ddp_eval takes such entries as set once: keep per-key state "
-                               f"that grows in a dict of at most {SMALL_DICT} keys, or compute it in on_stage_end")
+                why = _why_not_one_by_one(self.slot, f"past the first {SMALL_DICT}")
+                self.slot.fail(f"its entry {key!r} ({why}, so not watched one by one) changed in place; ddp_eval "
+                               "takes such entries as set once: keep per-key state that grows in a dict of at most "
+                               f"{SMALL_DICT} keys, at most two subscripts below the attribute (self.x[a][b]), or "
+                               "compute it in on_stage_end")
 
     def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
         batches, bounds = growth_since(self.added, from_batch, self.start_len)

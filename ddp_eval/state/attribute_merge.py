@@ -244,9 +244,11 @@ def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResu
                 continue
             if key in setters or key in entry_changes:
                 result.conflicts[f"{label}[{key!r}]"] = (
-                    f"set by batches of contributions {setters.get(key, 0)} and "
-                    f"{index} in a dict of more than 64 entries, whose later entries ddp_eval keeps one value "
-                    "each of; expected each key set once per stage (e.g. one per utterance id)")
+                    f"set by batches of contributions {setters.get(key, 0)} and {index}, at a key ddp_eval does "
+                    "not watch one by one (past a dict's first 64, or three subscripts below the attribute, "
+                    "self.x[a][b][c]), of which it keeps one value; expected each such key set once per stage "
+                    "(one per utterance id): keep counters in a dict of at most 64 keys, at most two subscripts "
+                    "down (self.x[a][b] += 1), or compute them in on_stage_end")
                 continue
             setters[key], taken[key] = index, value
     for key, value in made_empty.items():

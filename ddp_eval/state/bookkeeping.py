@@ -184,6 +184,16 @@ def _did_change(kind: Kind, data: Any) -> bool:
     return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
 
 
+def _entries_set_apart_and_read(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> set:
+    """Top labels of dict entries ranks set apart (a key not watched one by one, named
+    at the merge) that batches read for their value (``d[k] += 1``, then ``if d[k] == 1``):
+    each rank read its own value. A read carries its dict's top label and its key (a
+    nested dict's recording copy has the top label), so it matches a named entry by both."""
+    reads = {label for report in reports for label in report.get("entry_reads", ())}
+    return {top for top, key in ((top_label(label), label[len(top_label(label)):]) for label in reads)
+            if any(top_label(named) == top and named.endswith(key) for named in result.conflicts)}
+
+
 def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
                                                     changed: set) -> None:
     """A batch whose read gave another answer than one process's (a number whose
@@ -198,8 +208,11 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
     steering = sorted({top_label(label) for label, why in result.assumed.items() if why == COMPARED_OTHERWISE})
     steering += sorted({label for report in reports for label in report.get("whole_reads", ()) if label in changed}
                        - set(steering))
+    entries_read = {top_label(label) for report in reports for label in report.get("entry_reads", ())} | {
+        label for report in reports for label in report.get("whole_reads", ())}  # d.values(), iteration
     steering += sorted({label for report in reports for label in report.get("c_reads", ())
-                        if _changed_at(result, label, changed)} - set(steering))  # read in C: 100.0 * self.correct
+                        if _changed_at(result, label, changed) and not _only_own_entries(result, label, entries_read)}
+                       - set(steering))  # read in C: 100.0 * self.correct
     steering += sorted({label for report in reports for label in report.get("none_reads", ())}
                        - set(steering))  # a metric object's field read while None (a rank's first batch)
     named = {top_label(label) for label in (*result.conflicts, *result.assumed)} | {
@@ -208,6 +221,7 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
                        - set(steering))
+    steering += sorted(_entries_set_apart_and_read(result, reports) - set(steering))
     steering = [label for label in steering if not (label.endswith(ENTRY) and label[:-len(ENTRY)] in steering)]
     unseen = {label: places for report in reports for label, places in report.get("unseen_holders", {}).items()
               if label in changed}  # a read through a tuple holding it: the stage-start contents, unseen
@@ -242,6 +256,16 @@ def _remedy(outside: str) -> str:
     if outside.startswith(("global ", "class ")):  # a module's global, a class attribute
         return "keep it on the Brain instead (self.x, bound in on_stage_start), where ddp_eval merges it"
     return f"merge that state (ddp_eval: attributes_include: [{outside}])"
+
+
+def _only_own_entries(result: MergeResult, label: str, entries_read: set) -> bool:
+    """Whether ``label`` (read in C) is an entry of a dict attribute (``preds[*]``) whose
+    entries no batch read (``entries_read``: by key, or whole) other than right after
+    setting them (``self.preds[utt] = p``, then ``json.dumps(self.preds[utt])``): each
+    such read gave the batch's own value."""
+    top = top_label(label)
+    merged = result.merged.get(top)
+    return label.startswith(top + ENTRY) and merged is not None and merged[0] is Kind.KEYS and top not in entries_read
 
 
 def _changed_at(result: MergeResult, label: str, changed: set) -> bool:
@@ -306,7 +330,8 @@ def with_journal_notes(report: Mapping[str, Any], notes: Sequence[Mapping[str, A
         for label, read in piece.get("read_then_set", {}).items():
             read_then_set[label] = sorted(set(read_then_set.get(label, ())) | set(read))
         merged["read_then_set"] = read_then_set
-        for key in ("whole_reads", "c_reads", "absent_reads", "shape_reads", "shared_changed", "none_reads"):
+        for key in ("whole_reads", "c_reads", "absent_reads", "entry_reads", "shape_reads", "shared_changed",
+                    "none_reads"):
             merged[key] = sorted(set(merged.get(key, ())) | set(piece.get(key, ())))
         for key in ("shared_rebound", "shared_places"):
             merged[key] = {**piece.get(key, {}), **merged.get(key, {})}
@@ -457,6 +482,7 @@ class StageBook:
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads), "c_reads": sorted(self._read_in_c()),
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
+                "entry_reads": sorted({f"{label}[{key!r}]" for label, key in self.attributes.entry_reads}),
                 "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
                 "shared_places": self.shared.places(),
