@@ -81,11 +81,10 @@ class ShardedStage:
         # by_dataset positions differ per rank: such a stage is not journaled
         self.journal_root = None if is_stream(loader) and loader.split == "by_dataset" else journal_root
         self.book: Optional[StageBook] = None  # what this rank's batches do to the recipe's state
-        self.outputs = StageOutputs(dist.get_rank())
-        self.appends = AppendWatch()
+        self.outputs, self.appends = StageOutputs(dist.get_rank()), AppendWatch()
         self.outside: Dict[str, Any] = {}
         self.modules: Dict[str, Dict[str, int]] = {}
-        self.module_use: Optional[ModuleUse] = None  # which modules the stage's batches called
+        self.module_use: Optional[ModuleUse] = None  # which modules the stage's batches called (used_modules)
         self.used_modules: List[str] = []
         self.resume: Optional[StageResume] = None
         self.running = False  # between start() and finish(): batches are being evaluated

@@ -384,7 +384,7 @@ def _look_at_entries(watch: Any, batch: int, value: Any, adopted: set) -> bool:
 
 def _why_not_one_by_one(slot: Any, otherwise: str) -> str:
     """Why a container's entries are not watched one by one, for an error: its depth, or ``otherwise``."""
-    return f"{slot.depth} subscripts below the attribute" if slot.depth >= MAX_DEPTH else otherwise
+    return f"{slot.depth} levels below the attribute" if slot.depth >= MAX_DEPTH else otherwise
 
 
 def _finish_entries(watch: Any) -> None:
@@ -529,8 +529,8 @@ class DictWatch(Watch):
                 why = _why_not_one_by_one(self.slot, f"past the first {SMALL_DICT}")
                 self.slot.fail(f"its entry {key!r} ({why}, so not watched one by one) changed in place; ddp_eval "
                                "takes such entries as set once: keep per-key state that grows in a dict of at most "
-                               f"{SMALL_DICT} keys, at most two subscripts below the attribute (self.x[a][b]), or "
-                               "compute it in on_stage_end")
+                               f"{SMALL_DICT} keys, at most two levels below the attribute (self.x[a][b], "
+                               "self.x.d[a]), or compute it in on_stage_end")
 
     def state(self, positions: Sequence[float], from_batch: int, piece: bool) -> Any:
         batches, bounds = growth_since(self.added, from_batch, self.start_len)

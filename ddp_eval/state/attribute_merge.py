@@ -245,10 +245,10 @@ def _merge_keys(label: str, per_contribution: Sequence[dict], result: "MergeResu
             if key in setters or key in entry_changes:
                 result.conflicts[f"{label}[{key!r}]"] = (
                     f"set by batches of contributions {setters.get(key, 0)} and {index}, at a key ddp_eval does "
-                    "not watch one by one (past a dict's first 64, or three subscripts below the attribute, "
-                    "self.x[a][b][c]), of which it keeps one value; expected each such key set once per stage "
-                    "(one per utterance id): keep counters in a dict of at most 64 keys, at most two subscripts "
-                    "down (self.x[a][b] += 1), or compute them in on_stage_end")
+                    "not watch one by one (past a dict's first 64, or three levels below the attribute, "
+                    "self.x[a][b][c] or self.x.d[a][b]), of which it keeps one value; expected each such key set "
+                    "once per stage (one per utterance id): keep counters in a dict of at most 64 keys, at most two "
+                    "levels down (self.x[a][b] += 1), or compute them in on_stage_end")
                 continue
             setters[key], taken[key] = index, value
     for key, value in made_empty.items():
