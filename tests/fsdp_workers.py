@@ -228,4 +228,9 @@ def fail_in_gather(rank, world_size, ckpt_dir, bad_rank):
             raise RuntimeError("out of memory while unsharding (injected)")
 
         fsdp.FSDPModule.unshard = unshard  # this process is discarded after the test
-    brain.evaluate(toy.make_dataset(5, 2, "tst"), test_loader_kwargs={"batch_size": 2})
+    start = time.monotonic()
+    try:
+        brain.evaluate(toy.make_dataset(5, 2, "tst"), test_loader_kwargs={"batch_size": 2})
+    finally:  # how long the failure took to reach this rank, start-up and training left out
+        with open(os.path.join(ckpt_dir, f"evaluate_seconds_{rank}"), "w") as f:
+            f.write(str(time.monotonic() - start))

@@ -254,6 +254,14 @@ def _start(kind):
     return kind([0.5, 1.5, 2.5])
 
 
+def _counts():
+    return collections.defaultdict(int)
+
+
+def _counts_per_word():
+    return collections.defaultdict(_counts)
+
+
 def _add_deep(deep, x):
     """``deep["VALID"]["spk"]["n"] += x``, then a read of it: what it holds now."""
     deep["VALID"]["spk"]["n"] += x
@@ -283,6 +291,7 @@ class Brain:
         self.first, self.made_over_none = [], None  # bound in on_stage_start: empty, and None made lazily
         self.pair = (0, 0.0)  # a tuple of numbers, rebound by batches: (count, total), (score, batch)
         self.deep = {"VALID": {"spk": {"n": 0}}}  # its innermost entries are not watched one by one
+        self.made_deep = collections.defaultdict(_counts_per_word)  # made during the stage, three levels down
         for attribute, (start_value, _) in UNREADABLE.items():  # rebound from their previous value
             setattr(self, attribute, start_value)
         self.frozen_tally = FrozenTally()
@@ -699,6 +708,8 @@ def _fixed():
         "deep[a][b][n] += 1": lambda h, b: _add_deep(h.deep, 1),
         "if (deep[a][b][n] += 1) == 1: first.append": lambda h, b: h.first.append(b) if _add_deep(h.deep, 1) == 1
         else None,
+        "if (made_deep[a][b][n] += 1) == 2: first.append": lambda h, b: h.first.append(b) if _add_deep(
+            h.made_deep, 1) == 2 else None,
         "deep[a][b][u] = b; first.append(it)": lambda h, b: (h.deep["VALID"]["spk"].__setitem__(f"u{b}", b),
                                                              h.first.append(h.deep["VALID"]["spk"][f"u{b}"])),
         "d[u] = b; first.append(d[u])": lambda h, b: (h.c_dict.__setitem__(f"u{b}", b), h.first.append(h.c_dict[

@@ -281,12 +281,14 @@ def test_a_failure_inside_the_stage_start_gather_is_raised_on_every_rank_in_time
     """Rank 1 fails while unsharding for a sharded TEST; the others wait inside the
     gather's all-gather. Whether rank 1's process stays (a caller that catches) or
     exits (torchrun), every other rank raises rank 1's failure, named, well within
-    the collective timeout (10 s here), not the process group's (issue 38)."""
-    start = time.monotonic()
+    the collective timeout (10 s here), not the process group's (issue 38): timed from
+    the start of ``evaluate`` on each rank, so that a loaded host's start-up and training
+    do not count."""
     outcomes = run_ranks(fsdp_workers.fail_in_gather, world_size, str(tmp_path), 1, timeout=60, fresh=fresh)
     assert outcomes[1]["message"] == "out of memory while unsharding (injected)", outcomes[1]
     for rank in set(range(world_size)) - {1}:
         assert outcomes[rank]["error"] == "RankFailedError", outcomes[rank]
         assert "rank 1 failed at 'evaluate' with RuntimeError: out of memory while unsharding (injected)" \
             in outcomes[rank]["message"], outcomes[rank]
-    assert time.monotonic() - start < 30
+        seconds = float((tmp_path / f"evaluate_seconds_{rank}").read_text())
+        assert seconds < 20, seconds  # the collective timeout is 10 s; the process group's, minutes

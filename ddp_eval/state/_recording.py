@@ -398,6 +398,9 @@ def _entry_reading(kind: type, absent: type, note):
     method = kind.__getitem__
 
     def getitem(self, index):
+        notes = self._notes
+        if notes.listening and isinstance(self, dict) and index not in notes.fresh.get(id(self), ()):
+            notes.entries.add((self.label, index))  # before the call: a defaultdict's __missing__ sets the key
         try:
             entry = method(self, index)
         except absent:

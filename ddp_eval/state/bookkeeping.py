@@ -184,14 +184,18 @@ def _did_change(kind: Kind, data: Any) -> bool:
     return kind is not Kind.FOLD or any(op != Op.COMPARED for op, _ in data)
 
 
-def _entries_set_apart_and_read(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> set:
-    """Top labels of dict entries ranks set apart (a key not watched one by one, named
-    at the merge) that batches read for their value (``d[k] += 1``, then ``if d[k] == 1``):
-    each rank read its own value. A read carries its dict's top label and its key (a
-    nested dict's recording copy has the top label), so it matches a named entry by both."""
+def _named_entries_read(result: MergeResult, reports: Sequence[Mapping[str, Any]]) -> set:
+    """Top labels of dicts one of whose entries the merge named (set apart by several
+    ranks where not watched one by one, ``d[a][b]["n"] += 1``; made anew by several,
+    ``d[a][b] = {}``) whose entries batches read other than right after setting them
+    (``if d[a][b]["n"] == 1``): a read below the watched levels, or in a container made
+    during the stage, is not seen, and each rank's read its own value. A read carries its
+    dict's top label (a nested recording copy has it) and its key: it matches a named entry
+    it leads to (``d['a']``) or one with its key (``d['n']``, read in a nested copy)."""
+    named = [label for label in (*result.conflicts, *result.assumed) if label != top_label(label)]
     reads = {label for report in reports for label in report.get("entry_reads", ())}
-    return {top for top, key in ((top_label(label), label[len(top_label(label)):]) for label in reads)
-            if any(top_label(named) == top and named.endswith(key) for named in result.conflicts)}
+    return {top_label(read) for read in reads for label in named if top_label(label) == top_label(read) and (
+        label.startswith(read) or label.endswith(read[len(top_label(read)):]))}
 
 
 def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
@@ -221,7 +225,7 @@ def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports
                        - set(steering))
     steering += sorted({label for report in reports for label in report.get("shape_reads", ())} & _grown(result)
                        - set(steering))
-    steering += sorted(_entries_set_apart_and_read(result, reports) - set(steering))
+    steering += sorted(_named_entries_read(result, reports) - set(steering))
     steering = [label for label in steering if not (label.endswith(ENTRY) and label[:-len(ENTRY)] in steering)]
     unseen = {label: places for report in reports for label, places in report.get("unseen_holders", {}).items()
               if label in changed}  # a read through a tuple holding it: the stage-start contents, unseen
