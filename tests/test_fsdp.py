@@ -291,4 +291,4 @@ def test_a_failure_inside_the_stage_start_gather_is_raised_on_every_rank_in_time
         assert "rank 1 failed at 'evaluate' with RuntimeError: out of memory while unsharding (injected)" \
             in outcomes[rank]["message"], outcomes[rank]
         seconds = float((tmp_path / f"evaluate_seconds_{rank}").read_text())
-        assert seconds < 20, seconds  # the collective timeout is 10 s; the process group's, minutes
+        assert seconds < 10, seconds  # before the collective timeout (10 s) could fire; the process group's: minutes
