@@ -374,6 +374,14 @@ def _late_key_counter_steering(h, b):  # past the first 64 keys
         h.first.append(b)
 
 
+def _deep_counter_steering_after_many_reads(h, b):  # 70 other keys read first: the report keeps wide[*]
+    spk = h.wide["VALID"]["spk"]
+    assert sum(spk[f"k{i}"] for i in range(70)) == 70 * 69 // 2  # reads that steer nothing
+    spk["n"] += 1
+    if spk["n"] == 1:
+        h.first.append(b)
+
+
 def _deep_set_once(h, b):  # one key per utterance, three subscripts down, read back: each rank sets its own
     h.deep["VALID"]["spk"][f"u{b}"] = 10 * b
     h.first.append(h.deep["VALID"]["spk"][f"u{b}"])
@@ -400,6 +408,7 @@ def _made_deep_counter_steering(h, b):  # made during the stage, three levels do
 def _unwatched():
     return types.SimpleNamespace(deep={"VALID": {"spk": {"n": 0, **{f"u{b}": None for b in range(6)}}}}, first=[],
                                  big={f"k{i}": 0 for i in range(100)}, other=0,
+                                 wide={"VALID": {"spk": {"n": 0, **{f"k{i}": i for i in range(70)}}}},
                                  tally=types.SimpleNamespace(per_spk={"spk": {"n": 0}}),
                                  made=collections.defaultdict(_counts_per_word))
 
@@ -408,9 +417,10 @@ def _unwatched():
 @pytest.mark.parametrize("batch, named", [(_deep_counter, {"deep"}), (_field_deep_counter, {"tally"}),
                                           (_deep_counter_steering, {"deep", "first"}),
                                           (_late_key_counter_steering, {"big", "first"}), (_deep_set_once, set()),
-                                          (_made_deep_counter_steering, {"made", "first"})],
+                                          (_made_deep_counter_steering, {"made", "first"}),
+                                          (_deep_counter_steering_after_many_reads, {"wide", "first"})],
                          ids=["deep counter", "field deep counter", "deep counter steering", "late key steering",
-                              "deep set once", "made deep counter steering"])
+                              "deep set once", "made deep counter steering", "deep counter after 70 reads"])
 def test_entries_not_watched_one_by_one_set_on_several_ranks_are_named_with_what_their_reads_steered(
         batch, named, layout):
     """A dict's entries past its first 64 keys, or three levels below the attribute,
@@ -432,9 +442,26 @@ def test_entries_not_watched_one_by_one_set_on_several_ranks_are_named_with_what
         assert not labels and not differs, (labels, differs)
         return
     assert named <= labels and differs <= labels, (named, labels, differs)
-    assert {"deep", "big", "tally", "made"} & differs  # one rank's count: no merge is right
+    assert {"deep", "big", "tally", "made", "wide"} & differs  # one rank's count: no merge is right
     why = next(why for label, why in {**result.assumed, **result.conflicts}.items() if "[" in label)  # the entry's
     assert ("not watch one by one" in why or batch is _made_deep_counter_steering) and "on_stage_" in why, why
+
+
+def test_a_ranks_report_of_entry_reads_holds_at_most_64_keys_of_a_dict():
+    """The stage-end report names each dict key batches read (``scores[utt]``) up to
+    64 keys a dict; past them, the dict as a whole (``scores[*]``, which names more,
+    never less): it grows with the dicts read, not with the data."""
+    def batch(h, b):
+        h.total += sum(h.scores[f"u{100 * b + i}"] for i in range(100))  # 100 keys a batch
+        h.small[f"k{b % 3}"] += 1
+
+    _, records, _ = simulate_stage([[0, 1, 2, 3], [4, 5, 6]], lambda: _brain(lambda: types.SimpleNamespace(
+        scores={f"u{i}": float(i) for i in range(700)}, total=0.0, small={"k0": 0, "k1": 0, "k2": 0})), batch,
+        DDPEvalConfig())
+    for record in records:
+        reads = record.report["entry_reads"]
+        assert "scores[*]" in reads and not any(r.startswith("scores['") for r in reads), reads
+        assert {r for r in reads if r.startswith("small")} == {"small['k0']", "small['k1']", "small['k2']"}, reads
 
 
 @pytest.mark.parametrize("layout", [[list(range(0, 30, 2)), list(range(1, 30, 2))],

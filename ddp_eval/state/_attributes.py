@@ -362,6 +362,8 @@ class Slot(ProbeReadings, Bindings):
 # below this: about 20 ms of additions; a larger one only if a batch read its .data (a change through it
 # moves no _version), else it is checked by _version (docs/exactness.md)
 REPLAY_ELEMENTS = 2 ** 24
+# the distinct keys of one dict whose reads a rank reports (entry_reads); past them, a read of any key
+MOST_ENTRY_READS = 64
 
 
 def _replay_is_cheap(value: Any, events: int) -> bool:
@@ -420,9 +422,10 @@ class AttributeTracker:
         # labels a batch found a key absent in, then maybe set it (if k not in d: self.n += 1; d[k] = 1): if the
         # value is named, its record did not replay alike, and what the read steered may differ too
         self.absent_reads: set = set()
-        # (label, key) of dict entries batches read other than right after setting them (d[k] += 1; if d[k] == 1):
-        # if ranks set the entry apart (a key not watched one by one), each read a rank's value
-        self.entry_reads: set = set()
+        # label -> keys of dict entries batches read other than right after setting them (d[k] += 1; if
+        # d[k] == 1): if ranks set the entry apart (a key not watched one by one), each read a rank's value.
+        # Past MOST_ENTRY_READS keys of one dict, None: any of its keys (names more, keeps the report small)
+        self.entry_reads: Dict[str, Optional[set]] = {}
         self.shape_reads: set = set()  # tensors and arrays whose length batches read: a read whole if it changed
         self._busy: List[Slot] = []  # the slots prepared for the batch under way
         self._idle: List[Slot] = []  # the others: their identity tells whether a batch changed them
@@ -485,7 +488,12 @@ class AttributeTracker:
                 self.read_then_set.setdefault(label, set()).update(operands - {label})
         self.whole_reads |= self.notes.whole
         self.absent_reads |= self.notes.absent
-        self.entry_reads |= self.notes.entries
+        for label, key in self.notes.entries:
+            keys = self.entry_reads.setdefault(label, set())
+            if keys is not None:
+                keys.add(key)
+                if len(keys) > MOST_ENTRY_READS:
+                    self.entry_reads[label] = None
         self.shape_reads |= self.notes.shape
         self._added = []
         self._record_created()

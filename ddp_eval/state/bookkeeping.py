@@ -191,11 +191,12 @@ def _named_entries_read(result: MergeResult, reports: Sequence[Mapping[str, Any]
     (``if d[a][b]["n"] == 1``): a read below the watched levels, or in a container made
     during the stage, is not seen, and each rank's read its own value. A read carries its
     dict's top label (a nested recording copy has it) and its key: it matches a named entry
-    it leads to (``d['a']``) or one with its key (``d['n']``, read in a nested copy)."""
+    it leads to (``d['a']``) or one with its key (``d['n']``, read in a nested copy); past
+    a dict's first 64 keys read, a read of any key (``d[*]``) matches each of its entries."""
     named = [label for label in (*result.conflicts, *result.assumed) if label != top_label(label)]
     reads = {label for report in reports for label in report.get("entry_reads", ())}
     return {top_label(read) for read in reads for label in named if top_label(label) == top_label(read) and (
-        label.startswith(read) or label.endswith(read[len(top_label(read)):]))}
+        read.endswith(ENTRY) or label.startswith(read) or label.endswith(read[len(top_label(read)):]))}
 
 
 def _name_what_a_steering_read_may_have_left_undone(result: MergeResult, reports: Sequence[Mapping[str, Any]],
@@ -486,7 +487,8 @@ class StageBook:
                 "read_then_set": {label: sorted(read) for label, read in self.attributes.read_then_set.items()},
                 "whole_reads": sorted(self.attributes.whole_reads), "c_reads": sorted(self._read_in_c()),
                 "absent_reads": sorted(top_label(label) for label in self.attributes.absent_reads),
-                "entry_reads": sorted({f"{label}[{key!r}]" for label, key in self.attributes.entry_reads}),
+                "entry_reads": sorted(f"{label}{ENTRY}" if keys is None else f"{label}[{key!r}]"
+                                      for label, keys in self.attributes.entry_reads.items() for key in keys or [None]),
                 "shape_reads": sorted(self.attributes.shape_reads),
                 "shared_rebound": dict(self.attributes.notes.rebound_places), "shared_changed": self.shared.touched(),
                 "shared_places": self.shared.places(),
