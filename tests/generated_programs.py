@@ -303,6 +303,7 @@ class Brain:
         self.made_multi = collections.defaultdict(functools.partial(MultiMetricStats, metric=_scores_by_key,
                                                                     batch_eval=True))  # per decoding method
         self.own = {}  # a metric object the recipe's own code makes in a batch
+        self.holding = {"m": MetricStats(metric=_scores), "n": 0, "ids": []}  # a metric object and other state
         self.made_lists, self.made_by_setdefault = collections.defaultdict(list), {}  # containers made per key
         self.bleu = bleu_stats()()  # nested: targets, a list per reference set (bound: reads need no None check)
         self.bleu.targets = [[]]
@@ -771,6 +772,10 @@ def _fixed():
         "multi metric.metrics.pop('a')": lambda h, b: h.multi.metrics.pop("a"),
         "own metric.append": lambda h, b: (h.own if "x" in h.own else h.own.setdefault("x", MetricStats(
             metric=_scores)))["x"].append([f"u{b}"], [value(b)]),
+        "holding metric.append": lambda h, b: h.holding["m"].append([f"u{b}"], [value(b)]),
+        "holding metric's dict['n'] += 1": lambda h, b: h.holding.__setitem__("n", h.holding["n"] + 1),
+        "holding metric's dict['ids'].append": lambda h, b: h.holding["ids"].append(b),
+        "own metric's dict['n'] = get + 1": lambda h, b: h.own.__setitem__("n", h.own.get("n", 0) + 1),
         "if len(metric.ids) < k: append": lambda h, b: h.m.append([f"u{b}"], [value(b)]) if len(h.m.ids) < 2
         else None,
         # through another reference to a watched container

@@ -42,7 +42,9 @@ rank, returning what ``on_stage_end`` saw.
   37) metric objects whose lists are sorted and cut, inserted into, trimmed, or appended
   after a read of their length: named.
   A count three subscripts down (``self.per_stage[stage]["spk"]["n"] += n``), not
-  watched one by one, set on several ranks, and what its reads steered: named.
+  watched one by one, set on several ranks, and what its reads steered: named. A
+  count beside a metric object in one dict (``{"err": ErrorRateStats(), "n": 0}``):
+  the metric object exact, the dict named.
 * ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
   written per batch by ``json.dumps`` of what its method hands back, by a helper given
   it with a second parameter (also ahead of a spread tuple), by ``json.dumps`` held in
@@ -453,6 +455,7 @@ class PatternBrain(toy.ToyBrain):
         self.hardest, self.newest = KeepsHardest(), NewestFirst()  # metric objects whose lists are not only appended
         self.trimmed, self.first_five = MetricStats(metric=lambda x: x), MetricStats(metric=lambda x: x)
         self.per_stage, self.early = {stage.name: {"spk": {"n": 0}}}, []  # a count three subscripts down
+        self.wer_and_count = {"err": ErrorRateStats(), "n": 0}  # a metric object and a count beside it
 
     def _batch_unmergeable_code(self, logits, labels, loss, batch, stage):
         self.sorted_scores.append(float(loss))
@@ -471,11 +474,15 @@ class PatternBrain(toy.ToyBrain):
         self.per_stage[stage.name]["spk"]["n"] += len(batch.id)
         if self.per_stage[stage.name]["spk"]["n"] <= 6:  # each rank's own count
             self.early.append(batch.id[0])
+        predicted = [[str(int(p))] for p in logits.argmax(-1)]
+        self.wer_and_count["err"].append(batch.id, predicted, [[str(int(t))] for t in labels])
+        self.wer_and_count["n"] += len(batch.id)
 
     def _end_unmergeable_code(self, stage, stage_loss, epoch):
         return {"sorted": list(self.sorted_scores), "recent": list(self.recent), "n_scores": self.n_scores,
                 "first_ids": list(self.first_ids), "deep_n": self.per_stage[stage.name]["spk"]["n"],
-                "early": list(self.early),
+                "early": list(self.early), "beside_err": self.wer_and_count["err"].summarize("error_rate"),
+                "beside_n": self.wer_and_count["n"],
                 **{name: list(getattr(self, name).ids) for name in ("hardest", "newest", "trimmed", "first_five")}}
 
     # -- modules -------------------------------------------------------------------

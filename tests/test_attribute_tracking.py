@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+import speechbrain as sb
 import torch
 
 from ddp_eval.config import DDPEvalConfig
@@ -268,7 +269,6 @@ def test_a_tensor_changed_in_place_without_room_for_its_start_copy_is_named():
 
 def test_journal_pieces_merge_to_the_whole_stage():
     """A rank's pieces (cut every 3 batches) merge to what its whole-stage state merges to."""
-    import speechbrain as sb
 
     h = types.SimpleNamespace(err=sb.utils.metric_stats.ErrorRateStats(), items=[], seen={"old": 0}, n=0,
                               total=0.0, counts=torch.zeros(4, dtype=torch.long), vec=torch.zeros(3),
@@ -701,7 +701,6 @@ def test_a_list_of_tensors_travels_stacked_and_merges_to_one_process():
     """A metric object's list of 0-d tensors (BinaryMetricStats.scores, one per
     utterance) travels as one stacked tensor: pickling 10,000 tensors one by one took
     1.5 s of a stage end that takes 80 ms (benchmarks.md); rows come back equal."""
-    import speechbrain as sb
 
     def make():
         return types.SimpleNamespace(bins=sb.utils.metric_stats.BinaryMetricStats())
@@ -967,3 +966,83 @@ def test_a_rebuilt_tensor_changed_through_data_in_the_same_batch_is_named_at_any
             assert equal and not named, named
         else:  # each rank's own change: named, not merged (data.copy_ of a constant, the last, is equal too)
             assert "x" in named and (not equal or write == "data.copy_"), (equal, named)
+
+
+def _holding(**rest):
+    return types.SimpleNamespace(stats={"wer": sb.utils.metric_stats.ErrorRateStats(), **rest})
+
+
+def _score(h, b):
+    h.stats.setdefault("wer", sb.utils.metric_stats.ErrorRateStats()).append(
+        [f"u{b}"], [["a", "b"]], [["a", "b" if b % 2 else "c"]])
+
+
+def _counter_beside(h, b):
+    _score(h, b)
+    h.stats["n"] += 1
+
+
+def _ids_beside(h, b):
+    _score(h, b)
+    h.stats["ids"].append(b)
+
+
+def _made_with_count(h, b):
+    if not hasattr(h, "made"):
+        h.made = {"wer": sb.utils.metric_stats.ErrorRateStats(), "n": 0}
+    h.made["wer"].append([f"u{b}"], [["a"]], [["a"]])
+    h.made["n"] += 1
+
+
+HOLDERS = {  # make, batch, what is named
+    "counter beside": (lambda: _holding(n=0), _counter_beside, {"stats"}),
+    "ids beside": (lambda: _holding(ids=[]), _ids_beside, {"stats"}),
+    "metric put in later": (lambda: types.SimpleNamespace(stats={"n": 0}), _counter_beside, {"stats"}),
+    "holder made by a batch": (lambda: types.SimpleNamespace(), _made_with_count, {"made"}),
+    "settings beside, unchanged": (lambda: _holding(name="dev", n=0), _score, set()),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("case", HOLDERS, ids=HOLDERS)
+def test_what_an_attribute_holding_metric_objects_holds_besides_them_is_named_if_batches_change_it(case, layout):
+    """``self.stats = {"wer": ErrorRateStats(), "n": 0}``: the metric object is merged,
+    the attribute is not watched; before, ``stats["n"] += 1`` kept each rank's own
+    count (and a count beside a metric object put in later lost the batch that put
+    it), unnamed. What it holds besides metric objects is now named when a batch
+    changes it; the metric object merges exactly either way."""
+    make, batch, named = HOLDERS[case]
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, records, _ = simulate_stage(layout, lambda: _brain(make), batch, DDPEvalConfig())
+    got = set().union(*(record.report["unmergeable"] for record in records))
+    assert got == named, got
+    for name in named:
+        why = next(r.report["unmergeable"][name] for r in records if name in r.report["unmergeable"])
+        assert "holds metric objects" in why and "attribute of its own" in why, why
+    holder_attr = "made" if named == {"made"} else "stats"
+    want = getattr(single, holder_attr)["wer"].summarize("error_rate")
+    assert all(getattr(h, holder_attr)["wer"].summarize("error_rate") == want for h in holders)
+
+
+@pytest.mark.parametrize("case", HOLDERS, ids=HOLDERS)
+def test_in_one_process_an_attribute_holding_metric_objects_keeps_every_batchs_change(case):
+    """The mixin in one process (``finish_alone``): a count beside a metric object put
+    in during the stage keeps the batch that put it (before: that batch's ``+= 1``
+    was undone when the attribute engine stopped watching the dict)."""
+    from ddp_eval.state.bookkeeping import StageBook
+    make, batch, _ = HOLDERS[case]
+    single, brain = make(), _brain(make)
+    book = StageBook(brain, DDPEvalConfig())
+    book.start()
+    for b in range(5):
+        batch(single, b)
+        batch(brain, b)
+        book.after_batch()
+    book.finish_alone(range(5))
+    del brain._ddp_brain_attributes
+    for name, want in vars(single).items():
+        got = getattr(brain, name)
+        assert {k: v for k, v in got.items() if k != "wer"} == {k: v for k, v in want.items() if k != "wer"}
+        assert got["wer"].summarize("error_rate") == want["wer"].summarize("error_rate")

@@ -79,6 +79,18 @@ def test_without_metric_lists_on_the_attribute_engine_the_property_fails(monkeyp
 
 
 @pytest.mark.fast
+def test_without_following_what_metric_holders_hold_besides_them_the_property_fails(monkeypatch):
+    """With what an attribute holding metric objects holds besides them left unfollowed
+    (0.9.21), hypothesis finds a program whose counter or list beside a metric object
+    is silently each rank's own."""
+    from ddp_eval.state import _metric_holders
+
+    _fails_when_switched_off(monkeypatch, _metric_holders, "FOLLOW_HOLDERS", [
+        "holding metric.append", "holding metric's dict['n'] += 1", "holding metric's dict['ids'].append",
+        "own metric.append", "own metric's dict['n'] = get + 1"])
+
+
+@pytest.mark.fast
 def test_without_shared_recording_copies_the_property_fails(monkeypatch):
     """With each place left holding the container itself or a recording copy of its own
     (0.9.1), hypothesis finds a program that is silently wrong (a read or an append

@@ -254,6 +254,11 @@ def test_code_whose_order_one_process_alone_knows_is_named(ranks, references):
     assert "'early'" in warnings, warnings
     assert any(g["deep_n"] != w["deep_n"] for g, w in zip(got, want)) and any(
         g["early"] != w["early"] for g, w in zip(got, want))
+    # a count beside a metric object in one dict: the metric object merges, the count is named (before: each
+    # rank's own count, unnamed)
+    assert "'wer_and_count': it holds metric objects" in warnings and "attribute of its own" in warnings, warnings
+    assert [g["beside_err"] for g in got] == [w["beside_err"] for w in want]
+    assert any(g["beside_n"] != w["beside_n"] for g, w in zip(got, want))
 
 
 def test_a_value_a_batch_computed_from_state_outside_the_brain_is_named_with_it(ranks, references):

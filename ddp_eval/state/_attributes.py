@@ -576,6 +576,7 @@ class AttributeTracker:
         for label in labels:
             slot = self.tracks.pop(label, None)
             if slot is not None:
+                slot.observe(self.batches)  # the batch under way took its probes: what it wrote stays
                 slot.release()
                 slot.restore()
                 for prepared in (self._busy, self._idle, self._added):

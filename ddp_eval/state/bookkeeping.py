@@ -51,6 +51,7 @@ from ddp_eval.state._c_reads import read_in_c_of, values_at
 from ddp_eval.state._declared import DeclaredSlot
 from ddp_eval.state._field_flow import ENTRY, parts
 from ddp_eval.state._lazy_metrics import LazyMetricFields
+from ddp_eval.state._metric_holders import MetricHolders
 from ddp_eval.state._metric_layout import complete, describe
 from ddp_eval.state._values import ELSEWHERE, Kind, Op, recipe_names
 from ddp_eval.state.attribute_merge import (
@@ -401,6 +402,8 @@ class StageBook:
             owner, name = resolve(brain, path) if "." in path else (brain, path)
             self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
+        self.holders, self._names_at_start = MetricHolders(), set(vars(brain))
+        self.holders.adopt(brain, self._holder_names(self.metrics.objects))
         self.shared: Optional[SharedCopies] = None
         if share:
             self.share()
@@ -410,6 +413,22 @@ class StageBook:
         """The places outside the Brain that hold a watched container (``hparams``' fields,
         closures, globals) hold its recording copy from now on, for the stage."""
         self.shared = SharedCopies(self.brain, self.attributes.notes)
+
+    def _holder_names(self, metric_objects: Mapping[str, Any]) -> set:
+        """The recipe's attributes holding ``metric_objects`` (whose other state :class:`MetricHolders` follows)."""
+        return _holders(metric_objects) & recipe_names(self.brain) - set(self.config.attributes_exclude)
+
+    def _holders_at_start(self, names: Iterable[str]) -> Dict[str, Any]:
+        """For :meth:`MetricHolders.adopt`: what new holders held at stage start besides
+        metric objects (the original of a watched one; None: bound by a batch)."""
+        starts = {}
+        for name in names:
+            slot = self.attributes.tracks.get(name)
+            if slot is not None:
+                starts[name] = MetricHolders.rest_at_start(slot.original if slot.original is not None else slot.start)
+            elif name not in self._names_at_start:
+                starts[name] = None
+        return starts
 
     def attribute_names(self, metric_objects: Mapping[str, Any]) -> List[str]:
         """Plain attributes of the recipe's Brain that may be merged (not those
@@ -437,6 +456,8 @@ class StageBook:
         self.attributes.stop_listening()  # what follows reads the containers too
         objects = self.metrics.after_batch(self.brain)
         holders, tracks = _holders(objects), self.attributes.tracks
+        new_holders = self._holder_names(objects) - self.holders.followed if holders - self.holders.followed else ()
+        starts = self._holders_at_start(new_holders)  # before drop() puts the originals back
         dropped = [h for h in holders if h in tracks]
         self.lazy.wrap(objects, {h: tracks[h].watch.factory for h in dropped if getattr(tracks[h].watch, "factory",
                                                                                         None) is not None})
@@ -444,6 +465,7 @@ class StageBook:
         self.lazy.listen_nested(objects)
         self.attributes.drop(dropped)
         self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
+        self.holders.adopt(self.brain, new_holders, starts)
         names, seen = vars(self.brain).keys(), self._names_of
         if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
             self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
@@ -481,6 +503,7 @@ class StageBook:
         run's batches did (:func:`with_journal_notes`)."""
         self.shared.note_rebound()
         unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
+                       **self.holders.changed(self.brain),
                        **self.lazy.rebound(self.metrics.objects), **self.lazy.changed_keys(self.metrics.objects),
                        **self.lazy.nested_changes()}
         return {"unmergeable": unmergeable,
