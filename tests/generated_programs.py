@@ -304,6 +304,8 @@ class Brain:
                                                                     batch_eval=True))  # per decoding method
         self.own = {}  # a metric object the recipe's own code makes in a batch
         self.holding = {"m": MetricStats(metric=_scores), "n": 0, "ids": []}  # a metric object and other state
+        self.deeper = {"VALID": {"m": MetricStats(metric=_scores)}}  # a metric object two levels down
+        self.tracked = types.SimpleNamespace(m=MetricStats(metric=_scores), n=0)  # in an object of the recipe's
         self.made_lists, self.made_by_setdefault = collections.defaultdict(list), {}  # containers made per key
         self.bleu = bleu_stats()()  # nested: targets, a list per reference set (bound: reads need no None check)
         self.bleu.targets = [[]]
@@ -776,6 +778,10 @@ def _fixed():
         "holding metric's dict['n'] += 1": lambda h, b: h.holding.__setitem__("n", h.holding["n"] + 1),
         "holding metric's dict['ids'].append": lambda h, b: h.holding["ids"].append(b),
         "own metric's dict['n'] = get + 1": lambda h, b: h.own.__setitem__("n", h.own.get("n", 0) + 1),
+        "deeper metric.append": lambda h, b: h.deeper["VALID"]["m"].append([f"u{b}"], [value(b)]),
+        "deeper metric.ids.sort(reverse=True)": lambda h, b: h.deeper["VALID"]["m"].ids.sort(reverse=True),
+        "tracked metric.append": lambda h, b: h.tracked.m.append([f"u{b}"], [value(b)]),
+        "tracked metric's namespace.n += 1": lambda h, b: setattr(h.tracked, "n", h.tracked.n + 1),
         "if len(metric.ids) < k: append": lambda h, b: h.m.append([f"u{b}"], [value(b)]) if len(h.m.ids) < 2
         else None,
         # through another reference to a watched container

@@ -7,7 +7,9 @@ rank, returning what ``on_stage_end`` saw.
   with counters in a ``defaultdict(int)`` and a ``Counter``.
 * ``containers``: the k2 CTC recipe's ``defaultdict(ErrorRateStats)`` per decoding method,
   a plain dict of ErrorRateStats filled lazily, ``BLEUStats``, a DWER-like MetricStats
-  subclass nesting two ErrorRateStats, a MetricStats on a local closure (UrbanSound8k).
+  subclass nesting two ErrorRateStats, a MetricStats on a local closure (UrbanSound8k);
+  ErrorRateStats held deeper: in a dict of stages, in an object of the recipe's own and
+  its dict, and in ``hparams`` (``!new:``).
 * ``arrays``: ESC50 / UrbanSound8k confusion matrices ``np.zeros(..., dtype=int)`` ``+=``,
   and a float array.
 * ``loaders``: BEST-RQ's VALID ``SaveableDataLoader`` and a ``LoopedLoader`` for TEST,
@@ -188,6 +190,13 @@ class Report:
         self.ids = ids
 
 
+class Trackers:
+    """Metric objects in an object of the recipe's own, one in a dict of its own."""
+
+    def __init__(self):
+        self.wer, self.per_label = ErrorRateStats(), {"all": ErrorRateStats()}
+
+
 PAIR, HELD = None, None  # bound by the held_outside pattern's on_stage_start
 
 
@@ -301,6 +310,9 @@ class PatternBrain(toy.ToyBrain):
             return (predict.argmax(-1) == target).float()
 
         self.acc_metric = MetricStats(metric=accuracy_value, n_jobs=1)
+        self.per_stage_metrics = {stage.name: {"wer": ErrorRateStats()}}  # two levels down
+        self.trackers = Trackers()
+        self.hparams.wer_stats.clear()  # `wer_stats: !new:...ErrorRateStats` in the YAML
 
     def _batch_containers(self, logits, labels, loss, batch, stage):
         preds = logits.argmax(-1)
@@ -317,6 +329,9 @@ class PatternBrain(toy.ToyBrain):
         self.bleu.append(batch.id, [" ".join(h) for h in hyps], [[" ".join(r) for r in refs]])
         self.dwer.append(batch.id, hyps, refs)
         self.acc_metric.append(batch.id, predict=logits.detach(), target=labels, lengths=None)
+        for metric in (self.per_stage_metrics[stage.name]["wer"], self.trackers.wer, self.trackers.per_label["all"],
+                       self.hparams.wer_stats):
+            metric.append(batch.id, hyps, refs)
 
     def _end_containers(self, stage, stage_loss, epoch):
         text = io.StringIO()
@@ -327,7 +342,10 @@ class PatternBrain(toy.ToyBrain):
                 "groups": {g: (m.summarize("error_rate"), list(m.ids)) for g, m in self.per_group.items()},
                 "group_order": list(self.per_group), "bleu": self.bleu.summarize("BLEU"),
                 "bleu_targets": self.bleu.targets, "dwer": self.dwer.summarize(),
-                "accuracy": self.acc_metric.summarize("average"), "acc_ids": list(self.acc_metric.ids)}
+                "accuracy": self.acc_metric.summarize("average"), "acc_ids": list(self.acc_metric.ids),
+                "held_deeper": [(m.summarize("error_rate"), list(m.ids)) for m in (
+                    self.per_stage_metrics[stage.name]["wer"], self.trackers.wer, self.trackers.per_label["all"],
+                    self.hparams.wer_stats)]}
 
     # -- arrays --------------------------------------------------------------------
 
@@ -609,6 +627,8 @@ def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Che
     if run_opts:
         for key, value in run_opts.items():
             setattr(brain, key, value)
+    if pattern == "containers":
+        brain.hparams.wer_stats = ErrorRateStats()
     if pattern == "files":
         out = pathlib.Path(ckpt_dir)
         brain.hparams.predictions_file = str(out / "predictions.jsonl")

@@ -1046,3 +1046,79 @@ def test_in_one_process_an_attribute_holding_metric_objects_keeps_every_batchs_c
         got = getattr(brain, name)
         assert {k: v for k, v in got.items() if k != "wer"} == {k: v for k, v in want.items() if k != "wer"}
         assert got["wer"].summarize("error_rate") == want["wer"].summarize("error_rate")
+
+
+class _Trackers:
+    def __init__(self):
+        self.wer, self.per = sb.utils.metric_stats.ErrorRateStats(), {"spk": sb.utils.metric_stats.ErrorRateStats()}
+        self.n = 0
+
+
+def _deeper():
+    return types.SimpleNamespace(per_stage={"VALID": {"wer": sb.utils.metric_stats.ErrorRateStats()}},
+                                 trackers=_Trackers(),
+                                 hparams=types.SimpleNamespace(wer_stats=sb.utils.metric_stats.ErrorRateStats()))
+
+
+def _deeper_metrics(h):
+    return [h.per_stage["VALID"]["wer"], h.trackers.wer, h.trackers.per["spk"], h.hparams.wer_stats]
+
+
+def _append_deeper(h, b):
+    for metric in _deeper_metrics(h):
+        metric.append([f"u{b}"], [["a", "b"]], [["a", "b" if b % 2 else "c"]])
+
+
+def _put_deeper(h, b):  # a metric object put two levels down by a batch
+    _append_deeper(h, b)
+    h.per_stage["VALID"].setdefault("cer", sb.utils.metric_stats.ErrorRateStats()).append([f"u{b}"], [["a"]],
+                                                                                           [["a"]])
+
+
+def _replace_deeper(h, b):  # a metric object found at stage start replaced by a batch
+    _append_deeper(h, b)
+    if b == 1:
+        h.trackers.wer = sb.utils.metric_stats.ErrorRateStats()
+
+
+def _count_beside_deeper(h, b):  # a field beside metric objects in an object of the recipe's own
+    _append_deeper(h, b)
+    h.trackers.n += 1
+
+
+def _past_64_deeper(h, b):  # the 65th metric object of a dict of stages: not found, so its holder is named
+    h.per_stage["k64"]["wer"].append([f"u{b}"], [["a"]], [["a" if b % 2 else "b"]])
+
+
+DEEPER = {  # make, batch, named (None: exact, every metric object equal to one process's)
+    "held deeper": (_deeper, _append_deeper, None),
+    "put by a batch": (_deeper, _put_deeper, {"per_stage[VALID][cer]", "per_stage"}),  # and its holder's rest
+    "replaced by a batch": (_deeper, _replace_deeper, {"trackers.wer", "trackers"}),
+    "count beside them": (_deeper, _count_beside_deeper, {"trackers"}),
+    "past 64 entries": (lambda: types.SimpleNamespace(per_stage={
+        **{f"k{i}": {"wer": sb.utils.metric_stats.ErrorRateStats()} for i in range(65)}}), _past_64_deeper,
+        {"per_stage"}),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("case", DEEPER, ids=DEEPER)
+def test_metric_objects_held_below_the_attributes_entries_merge_exactly_or_are_named(case, layout):
+    """A metric object two levels into a dict (``self.metrics[stage]["wer"]``), in an
+    object of the recipe's own and its dict (``self.trackers.wer``), or in ``hparams``
+    (``!new:``) is found at stage start and merges exactly (before: its holder named,
+    each rank its own; in ``hparams``, a warning). One a batch put there, took away or
+    replaced is named, so is what else the holder holds when a batch changes it."""
+    make, batch, named = DEEPER[case]
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, records, _ = simulate_stage(layout, lambda: _brain(make), batch, DDPEvalConfig())
+    got = set().union(*(record.report["unmergeable"] for record in records))
+    if named is not None:
+        assert got == named, got
+        return
+    assert not got, got
+    for holder in holders:
+        for mine, want in zip(_deeper_metrics(holder), _deeper_metrics(single)):
+            assert (mine.ids, mine.summarize("error_rate")) == (want.ids, want.summarize("error_rate"))

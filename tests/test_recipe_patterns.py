@@ -82,6 +82,8 @@ def test_metric_containers_created_lazily_are_merged_in_creation_order(ranks, re
             assert got["group_order"] == expected["group_order"]  # a plain dict filled lazily
             assert got["wer_stats"] == expected["wer_stats"]
             assert got["bleu_targets"] == expected["bleu_targets"]  # one growing list per reference
+            # two levels down, in an object of the recipe's own, in hparams (before: named, each rank its own)
+            assert got["held_deeper"] == expected["held_deeper"] and len(expected["held_deeper"][0][1]) > 1
         assert out["containers"]["warnings"] == []
 
 

@@ -58,6 +58,26 @@ def test_first_difference_names_the_path_and_both_values():
     assert first_difference(float("nan"), float("nan")) is None
 
 
+@pytest.mark.fast
+def test_first_difference_reads_a_namespace_field_by_field():
+    """A ``SimpleNamespace`` keeps its state in ``__dict__`` (its reduce is C's): its
+    fields are compared one by one, so two holding equal metric objects are equal
+    (before: compared with ``==``, by the metric objects' identity), and a difference
+    names its field."""
+    import types
+
+    from speechbrain.utils.metric_stats import ErrorRateStats
+
+    def tracked(n, hyp):
+        wer = ErrorRateStats()
+        wer.append(["u1"], [["a"]], [[hyp]])
+        return types.SimpleNamespace(wer=wer, n=n)
+
+    assert first_difference(tracked(1, "a"), tracked(1, "a"), "t") is None
+    assert first_difference(tracked(1, "a"), tracked(2, "a"), "t") == ("t['n']", "1", "2")
+    assert first_difference(tracked(1, "a"), tracked(1, "b"), "t")[0].startswith("t['wer']")
+
+
 class Slotted:
     __slots__ = ("n",)
 

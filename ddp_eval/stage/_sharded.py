@@ -149,9 +149,10 @@ class ShardedStage:
 
     def _outside_markers(self):
         """State outside the Brain (hparams, recoverables), minus what the Brain
-        itself holds as mergeable attributes."""
+        itself holds as mergeable attributes and the metric objects found."""
         own = [id(v) for v in vars(self.brain).values() if isinstance(v, (list, dict, torch.Tensor))] + [
             id(original) for original, _, _ in self.book.attributes.notes.copies.values()]  # a global holding one
+        own += list(self.book.metric_object_ids())  # in hparams: merged as metric objects
         return outside_markers(self.brain, skip_ids=own)
 
     # -- per batch -----------------------------------------------------------------

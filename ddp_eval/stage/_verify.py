@@ -24,6 +24,7 @@ import io
 import pickle
 import random
 import tempfile
+import types
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -108,8 +109,9 @@ def first_difference(got: Any, want: Any, path: str = "", uncompared: Optional[L
         return None if (got.getvalue(), got.tell()) == (want.getvalue(), want.tell()) else (
             path, _short(got.getvalue()), _short(want.getvalue()))
     own_got, own_want = getattr(got, "__dict__", None), getattr(want, "__dict__", None)
-    opaque = own_got is None or type(got).__reduce_ex__ is not object.__reduce_ex__ or (
-        type(got).__reduce__ is not object.__reduce__)  # state kept in C or __slots__, as the engine reads it
+    opaque = own_got is None or not isinstance(got, types.SimpleNamespace) and (  # a namespace: its __dict__
+        type(got).__reduce_ex__ is not object.__reduce_ex__ or type(got).__reduce__ is not object.__reduce__
+    )  # state kept in C or __slots__, as the engine reads it
     if not opaque:
         fields = {k: v for k, v in own_got.items() if k != "summary"}
         return inner(fields, {k: v for k, v in own_want.items() if k != "summary"}, path)

@@ -157,6 +157,14 @@ def of_a_framework(value: Any) -> bool:
     return any((cls.__module__ or "").split(".")[0] in _FRAMEWORKS for cls in type(value).__mro__)
 
 
+def holds_fields(value: Any) -> bool:
+    """Whether ``value`` is an object of the recipe's own whose fields hold its state
+    (not a module, a function, a partial, a class or a library's object)."""
+    return (not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module,
+                                   functools.partial))  # asking a function or a partial for fields makes them one
+            and type(getattr(value, "__dict__", None)) is dict and not of_a_framework(value))
+
+
 def _by_identity(value: Any) -> bool:
     """Whether a function's captured ``value`` is compared by identity only: the
     Brain (its own state is watched attribute by attribute), a module, a class, a

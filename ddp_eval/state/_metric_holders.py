@@ -14,57 +14,50 @@ Example
 >>> import types
 >>> from speechbrain.utils.metric_stats import ErrorRateStats
 >>> brain = types.SimpleNamespace(stats={"wer": ErrorRateStats(), "n": 0})
+>>> found = {id(brain.stats["wer"])}
 >>> holders = MetricHolders()
->>> holders.adopt(brain, ["stats"])
+>>> holders.adopt(brain, ["stats"], found)
 >>> brain.stats["wer"].append(["u1"], [["a"]], [["a"]])
->>> holders.changed(brain)
+>>> holders.changed(brain, found)
 {}
 >>> brain.stats["n"] += 1
->>> list(holders.changed(brain))
+>>> list(holders.changed(brain, found))
 ['stats']
 """
 
-import functools
-import types
-from typing import Any, Dict, Iterable, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional, Set
 
-import torch
-
-from ddp_eval.state._explain import Fingerprint, of_a_framework
+from ddp_eval.state._explain import Fingerprint, holds_fields
 from ddp_eval.state._values import get_value, is_metric_object
 
 _DEPTH = 3  # levels of dicts, lists and recipe objects looked into (self.metrics[stage]["n"])
 FOLLOW_HOLDERS = True  # tests switch it off to show what it catches
 
 
-def besides_metrics(value: Any, depth: int = 0) -> Any:
-    """``value`` with the metric objects it holds left out, ``_DEPTH`` levels down:
-    a dict's entries, a list's or tuple's items and a recipe object's fields, as a
-    dict; anything else as it is.
+def besides_metrics(value: Any, found: Set[int], depth: int = 0) -> Any:
+    """``value`` with the metric objects it holds that were ``found`` (their ids) left
+    out, ``_DEPTH`` levels down: a dict's entries, a list's or tuple's items and a
+    recipe object's fields, as a dict; anything else as it is.
 
     Example
     -------
     >>> from speechbrain.utils.metric_stats import ErrorRateStats
-    >>> besides_metrics({"wer": ErrorRateStats(), "n": 2, "per": [ErrorRateStats(), 1]})
+    >>> wer, cer = ErrorRateStats(), ErrorRateStats()
+    >>> rest = besides_metrics({"wer": wer, "n": 2, "per": [cer, 1]}, {id(wer), id(cer)})
+    >>> rest
     {'n': 2, 'per': {1: 1}}
     """
-    if depth >= _DEPTH or is_metric_object(value):
+    if depth >= _DEPTH or id(value) in found:
         return value
     if isinstance(value, Mapping):
         items: Iterable = value.items()
     elif isinstance(value, (list, tuple)):
         items = enumerate(value)
-    elif _holds_fields(value):
+    elif holds_fields(value):
         items = vars(value).items()
     else:
         return value
-    return {key: besides_metrics(entry, depth + 1) for key, entry in items if not is_metric_object(entry)}
-
-
-def _holds_fields(value: Any) -> bool:
-    """An object of the recipe's own (not a module, a function, a class or a library's object)."""
-    return (type(getattr(value, "__dict__", None)) is dict and not of_a_framework(value) and not isinstance(
-        value, (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial, torch.nn.Module)))
+    return {key: besides_metrics(entry, found, depth + 1) for key, entry in items if id(entry) not in found}
 
 
 class MetricHolders:
@@ -75,13 +68,15 @@ class MetricHolders:
         self._rests: Dict[str, Fingerprint] = {}
         self._made: Dict[str, str] = {}  # holders a batch made with a rest in it: name -> what
 
-    def adopt(self, brain: Any, names: Iterable[str], start_rests: Mapping[str, Optional[Fingerprint]] = {}) -> None:
-        """Follows the holders ``names`` not followed yet. ``start_rests`` gives, of one the
-        attribute engine watched until now, the fingerprint of its rest at stage start
-        (None: a batch bound it); the others are taken as they are now."""
+    def adopt(self, brain: Any, names: Iterable[str], found: Set[int],
+              start_rests: Mapping[str, Optional[Fingerprint]] = {}) -> None:
+        """Follows the holders ``names`` not followed yet, of the metric objects ``found``
+        (ids). ``start_rests`` gives, of one the attribute engine watched until now, the
+        fingerprint of its rest at stage start (None: a batch bound it); the others are
+        taken as they are now."""
         for name in names:
             now = get_value(brain, name)
-            rest = besides_metrics(now)
+            rest = besides_metrics(now, found)
             if name in self._rests or name in self._made or is_metric_object(now) or not isinstance(rest, dict):
                 continue  # followed, or a metric object itself (its fields are merged as such)
             if name not in start_rests:
@@ -98,22 +93,23 @@ class MetricHolders:
         return self._rests.keys() | self._made.keys()
 
     @staticmethod
-    def rest_at_start(original: Any) -> Optional[Fingerprint]:
+    def rest_at_start(original: Any, found: Set[int]) -> Optional[Fingerprint]:
         """The fingerprint of what ``original`` (an attribute's stage-start value)
         holds besides metric objects, for :meth:`adopt`; None if it held no container
         or object (``ABSENT``, ``None``: a batch made the holder)."""
-        rest = besides_metrics(original)
+        rest = besides_metrics(original, found)
         return Fingerprint.of(rest) if isinstance(rest, dict) and not is_metric_object(original) else None
 
-    def changed(self, brain: Any) -> Dict[str, str]:
-        """``{attribute: why}`` of holders whose other state changed (checked at stage end)."""
+    def changed(self, brain: Any, found: Set[int]) -> Dict[str, str]:
+        """``{attribute: why}`` of holders whose other state (besides the metric objects
+        ``found``, ids) changed (checked at stage end)."""
         if not FOLLOW_HOLDERS:
             return {}
-        found = dict(self._made)
+        named = dict(self._made)
         for name, rest in self._rests.items():
-            if not rest.matches(besides_metrics(get_value(brain, name))):
-                found[name] = "other state it holds changed"
+            if not rest.matches(besides_metrics(get_value(brain, name), found)):
+                named[name] = "other state it holds changed"
         return {name: (f"it holds metric objects, which are merged as such, and {why} (a number, a list, a "
                        "field besides them), which is not merged, so each rank would keep its own batches' share: "
                        "keep that state in an attribute of its own (bound in on_stage_start), or the metric "
-                       "objects in attributes of their own") for name, why in found.items()}
+                       "objects in attributes of their own") for name, why in named.items()}

@@ -34,7 +34,7 @@ import torch
 
 from ddp_eval import sb_compat
 from ddp_eval.state._c_reads import of_a_library, reach
-from ddp_eval.state._explain import Fingerprint, of_a_framework
+from ddp_eval.state._explain import Fingerprint, holds_fields
 from ddp_eval.state._values import is_array, is_number
 
 Marker = Tuple[Any, ...]
@@ -72,10 +72,7 @@ def _by_contents(value: Any) -> bool:
     library's objects, whose fields change as they work)."""
     if isinstance(value, (list, dict, set, tuple, collections.deque, bytearray)) or is_array(value):
         return True
-    return (not isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module,
-                                   functools.partial))  # asking a function or a partial for fields makes them one
-            and type(getattr(value, "__dict__", None)) is dict
-            and not of_a_framework(value) and not sb_compat.holds_scratch_state(value))
+    return holds_fields(value) and not sb_compat.holds_scratch_state(value)
 
 
 def _full_marker(value: Any) -> Any:

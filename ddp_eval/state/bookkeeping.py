@@ -40,7 +40,7 @@ Example
 """
 
 import pickle
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ from ddp_eval.state.attribute_merge import (
     merge_attribute_states,
 )
 from ddp_eval.state.metric_merge import merge_metric_stats
-from ddp_eval.state.metrics import MetricFinder, MetricRecorder, apply_merged, make_missing_per_key
+from ddp_eval.state.metrics import MetricFinder, MetricRecorder, all_flat, apply_merged, make_missing_per_key
 
 
 class Collected(NamedTuple):
@@ -403,7 +403,7 @@ class StageBook:
             self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
         self.holders, self._names_at_start = MetricHolders(), set(vars(brain))
-        self.holders.adopt(brain, self._holder_names(self.metrics.objects))
+        self.holders.adopt(brain, self._holder_names(self.metrics.objects), self.metric_object_ids())
         self.shared: Optional[SharedCopies] = None
         if share:
             self.share()
@@ -413,6 +413,11 @@ class StageBook:
         """The places outside the Brain that hold a watched container (``hparams``' fields,
         closures, globals) hold its recording copy from now on, for the stage."""
         self.shared = SharedCopies(self.brain, self.attributes.notes)
+
+    def metric_object_ids(self) -> Set[int]:
+        """Ids of the metric objects found and those they hold: merged as such (one
+        ``hparams`` holds is not state outside the Brain)."""
+        return {id(obj) for _, obj in all_flat(self.metrics.objects)}
 
     def _holder_names(self, metric_objects: Mapping[str, Any]) -> set:
         """The recipe's attributes holding ``metric_objects`` (whose other state :class:`MetricHolders` follows)."""
@@ -425,7 +430,8 @@ class StageBook:
         for name in names:
             slot = self.attributes.tracks.get(name)
             if slot is not None:
-                starts[name] = MetricHolders.rest_at_start(slot.original if slot.original is not None else slot.start)
+                starts[name] = MetricHolders.rest_at_start(slot.original if slot.original is not None else slot.start,
+                                                           self.metric_object_ids())
             elif name not in self._names_at_start:
                 starts[name] = None
         return starts
@@ -465,7 +471,7 @@ class StageBook:
         self.lazy.listen_nested(objects)
         self.attributes.drop(dropped)
         self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
-        self.holders.adopt(self.brain, new_holders, starts)
+        self.holders.adopt(self.brain, new_holders, self.metric_object_ids(), starts)
         names, seen = vars(self.brain).keys(), self._names_of
         if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
             self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
@@ -503,7 +509,7 @@ class StageBook:
         run's batches did (:func:`with_journal_notes`)."""
         self.shared.note_rebound()
         unmergeable = {**self.attributes.unmergeable(), **self.metrics.unexplained(),
-                       **self.holders.changed(self.brain),
+                       **self.holders.changed(self.brain, self.metric_object_ids()),
                        **self.lazy.rebound(self.metrics.objects), **self.lazy.changed_keys(self.metrics.objects),
                        **self.lazy.nested_changes()}
         return {"unmergeable": unmergeable,

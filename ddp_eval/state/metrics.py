@@ -45,7 +45,7 @@ import functools
 import itertools
 import math
 import operator
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from speechbrain.utils.Accuracy import AccuracyStats
@@ -53,7 +53,7 @@ from speechbrain.utils.metric_stats import MetricStats, MultiMetricStats
 
 from ddp_eval import sb_compat
 from ddp_eval.errors import ConfigError
-from ddp_eval.state._explain import Fingerprint, unexplained
+from ddp_eval.state._explain import Fingerprint, holds_fields, unexplained
 from ddp_eval.state._numbers import plain
 from ddp_eval.state._order import growth_since, packed
 from ddp_eval.state._values import is_flat_list, is_number
@@ -69,7 +69,9 @@ def find_metric_objects(owner: Any, include: Optional[Sequence[str]] = None,
                         exclude: Sequence[str] = ()) -> Dict[str, Any]:
     """Finds SpeechBrain metric objects held by ``owner`` (e.g. a Brain).
 
-    Looks at attributes and one level into dict, list and tuple attributes;
+    Looks at attributes, one level into dict, list and tuple attributes, and one
+    level further into the dicts those hold and the objects of the recipe's own an
+    attribute holds (``metrics[VALID][wer]``, ``trackers.wer``, ``hparams.wer_stats``);
     returns ``{path: object}`` sorted by path, each object once.
 
     Example
@@ -79,8 +81,9 @@ def find_metric_objects(owner: Any, include: Optional[Sequence[str]] = None,
     >>> h = Holder()
     >>> h.acc = AccuracyStats()
     >>> h.several = {"a": AccuracyStats()}
+    >>> h.per_stage = {"VALID": {"acc": AccuracyStats()}}
     >>> sorted(find_metric_objects(h))
-    ['acc', 'several[a]']
+    ['acc', 'per_stage[VALID][acc]', 'several[a]']
     """
     return MetricFinder(include, exclude).find(owner)
 
@@ -106,6 +109,9 @@ class MetricFinder:
     def __init__(self, include: Optional[Sequence[str]] = None, exclude: Sequence[str] = ()) -> None:
         self.include, self.exclude = include, set(exclude)
         self._seen: Dict[str, Tuple[Any, int, Dict[str, Tuple[Any, Any]]]] = {}
+        # metric objects one level below those: looked for once, at the first find (stage start); at stage
+        # end, moved_below() names any that moved or appeared there
+        self._below: Optional[Dict[str, Any]] = None
 
     def find(self, owner: Any) -> Dict[str, Any]:
         """``{path: metric object}`` held by ``owner`` now, sorted by path, each object once."""
@@ -113,9 +119,7 @@ class MetricFinder:
         ids = set()
         seen = {}
         previous = self._seen
-        for name, value in sorted(vars(owner).items()):
-            if name in self.exclude or (self.include is not None and name not in self.include):
-                continue
+        for name, value in self._attributes(owner):
             shape = _shape(type(value))
             if shape is None:  # a number, a string, a module...: holds no metric object
                 continue
@@ -130,10 +134,41 @@ class MetricFinder:
                     ids.add(id(obj))
                     found[path] = obj
         self._seen = seen
+        if self._below is None:
+            self._below = self._found_below(owner)
+        for path, obj in self._below.items():
+            if id(obj) not in ids:
+                ids.add(id(obj))
+                found[path] = obj
         return dict(sorted(found.items()))
 
+    def _attributes(self, owner: Any) -> List[Tuple[str, Any]]:
+        return [(name, value) for name, value in sorted(vars(owner).items())
+                if name not in self.exclude and (self.include is None or name in self.include)]
+
+    def _found_below(self, owner: Any) -> Dict[str, Any]:
+        """``{path: metric object}`` one level below what :meth:`_scan` looks at."""
+        return {path: obj for name, value in self._attributes(owner) for path, obj in _below(name, value)}
+
+    def moved_below(self, owner: Any) -> Dict[str, str]:
+        """``{path: why}`` of metric objects below the attributes' entries that a batch
+        put there, took away or replaced (looked for again, once, at stage end)."""
+        before, now = self._below or {}, self._found_below(owner)
+        known, moved = set(map(id, before.values())), {}
+        for path, obj in now.items():
+            if id(obj) not in known:
+                moved[path] = ("a batch put this metric object where ddp_eval looks for them only at stage start (in "
+                               "a dict an attribute holds, or in an object of the recipe's own): create it in "
+                               "on_stage_start, or keep it as an attribute or a dict attribute's entry")
+        for path, obj in before.items():
+            if now.get(path) is not obj:
+                moved[path] = ("a batch took this metric object out of where ddp_eval found it at stage start, so "
+                               "its entries cannot be merged: replace metric objects in on_stage_start or on_stage_end")
+        return moved
+
     def rescan(self, owner: Any) -> Dict[str, Any]:
-        """:meth:`find` from nothing (containers were reordered or filled from outside)."""
+        """:meth:`find` from nothing (containers were reordered or filled from outside);
+        below their entries, the metric objects found at stage start."""
         self._seen = {}
         return self.find(owner)
 
@@ -187,6 +222,32 @@ def _shape(cls: type) -> Optional[str]:
     if getattr(cls, "_ddp_probe", False):  # a probe for a tuple of numbers and strings: no metric object
         return None
     return "fixed" if issubclass(cls, METRIC_TYPES + (tuple,)) else None
+
+
+_MOST_BELOW = 64  # entries of a dict looked into below the attributes' entries (a dict of stages, of metrics)
+
+
+def _below(name: str, value: Any) -> Iterable[Tuple[str, Any]]:
+    """``(path, metric object)`` in the dicts a dict attribute holds (``metrics[VALID][wer]``)
+    and in the fields of an object of the recipe's own, and their dicts' entries
+    (``trackers.wer``, ``hparams.wer_stats``, ``trackers.per[spk]``); a dict's first
+    64 entries (one past them is not found, and changes what its holder holds besides
+    the metric objects found: named, :mod:`ddp_eval.state._metric_holders`)."""
+    if isinstance(value, Mapping):
+        dicts = [(f"{name}[{key}]", entry) for key, entry in itertools.islice(value.items(), _MOST_BELOW)
+                 if isinstance(entry, Mapping)]
+    elif holds_fields(value) and not isinstance(value, METRIC_TYPES):
+        dicts = []
+        for field, entry in vars(value).items():
+            if isinstance(entry, METRIC_TYPES):
+                yield f"{name}.{field}", entry
+            elif isinstance(entry, Mapping):
+                dicts.append((f"{name}.{field}", entry))
+    else:
+        return
+    for path, held in dicts:
+        yield from ((f"{path}[{key}]", obj) for key, obj in itertools.islice(held.items(), _MOST_BELOW)
+                    if isinstance(obj, METRIC_TYPES))
 
 
 def _flatten(path: str, obj: Any, seen: set) -> Iterable[Tuple[str, Any]]:
@@ -310,6 +371,7 @@ class MetricRecorder:
         self.kept: Dict[Tuple[str, str], Fingerprint] = {}  # what the lists held at stage start, checked at the end
         self.rebound: Dict[str, str] = {}  # path.field -> how a batch changed a nested field other than by append
         self.unmerged: Dict[Tuple[str, str], Fingerprint] = {}  # fields of objects created in the stage
+        self.moved: Dict[str, str] = {}  # path -> how a batch moved a metric object below the entries (at finish)
         for path, sub in all_flat(self.objects):
             for name, value in _fields(sub, skip=self.slotted.get(path, ())):
                 if isinstance(value, list):
@@ -391,6 +453,7 @@ class MetricRecorder:
         """
         self.objects = self.finder.find(owner)
         self._note(self.batches)  # anything appended after the last batch
+        self.moved = self.finder.moved_below(owner)
         if self.shrunk:
             field, why = next(iter(self.shrunk.items()))
             raise ConfigError(f"ddp_eval: metric field '{field}' lost entries during the sharded stage ({why}); "
@@ -401,7 +464,7 @@ class MetricRecorder:
     def unexplained(self) -> Dict[str, str]:
         """``{path.field: why}`` of metric fields whose end state what was recorded
         does not explain (checked at stage end, before anything is merged)."""
-        found = dict(self.rebound)
+        found = {**self.rebound, **self.moved}
         flat = dict(all_flat(self.objects))
         for path in itertools.chain(self.start, self.first_seen):
             if path not in flat:
