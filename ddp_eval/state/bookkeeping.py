@@ -403,6 +403,7 @@ class StageBook:
             self.attributes.tracks[path] = DeclaredSlot(path, owner, name, self.attributes.budget, reduction)
         self.lazy = LazyMetricFields(self.metrics, self.attributes, brain)
         self.holders, self._names_at_start = MetricHolders(), set(vars(brain))
+        self._holders_seen = _holders(self.metrics.objects)  # each holder looked at once, when it first is one
         self.holders.adopt(brain, self._holder_names(self.metrics.objects), self.metric_object_ids())
         self.shared: Optional[SharedCopies] = None
         if share:
@@ -462,7 +463,10 @@ class StageBook:
         self.attributes.stop_listening()  # what follows reads the containers too
         objects = self.metrics.after_batch(self.brain)
         holders, tracks = _holders(objects), self.attributes.tracks
-        new_holders = self._holder_names(objects) - self.holders.followed if holders - self.holders.followed else ()
+        new_holders = holders - self._holders_seen
+        if new_holders:  # rare: an attribute that came to hold a metric object
+            self._holders_seen |= new_holders
+            new_holders = self._holder_names(objects) & new_holders
         starts = self._holders_at_start(new_holders)  # before drop() puts the originals back
         dropped = [h for h in holders if h in tracks]
         self.lazy.wrap(objects, {h: tracks[h].watch.factory for h in dropped if getattr(tracks[h].watch, "factory",
@@ -471,7 +475,8 @@ class StageBook:
         self.lazy.listen_nested(objects)
         self.attributes.drop(dropped)
         self.lazy.wrap(objects)  # their factories, which drop() took out, back for the stage
-        self.holders.adopt(self.brain, new_holders, self.metric_object_ids(), starts)
+        if new_holders:
+            self.holders.adopt(self.brain, new_holders, self.metric_object_ids(), starts)
         names, seen = vars(self.brain).keys(), self._names_of
         if names != seen[0] or holders != seen[1]:  # an attribute bound where there was none, or a new holder
             self.attributes.add({n: (self.brain, n) for n in self.attribute_names(objects)})
