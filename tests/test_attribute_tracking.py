@@ -1122,3 +1122,18 @@ def test_metric_objects_held_below_the_attributes_entries_merge_exactly_or_are_n
     for holder in holders:
         for mine, want in zip(_deeper_metrics(holder), _deeper_metrics(single)):
             assert (mine.ids, mine.summarize("error_rate")) == (want.ids, want.summarize("error_rate"))
+
+
+@pytest.mark.parametrize("make, batch, named", [
+    (lambda: types.SimpleNamespace(t=types.SimpleNamespace(inner=types.SimpleNamespace(
+        wer=sb.utils.metric_stats.ErrorRateStats()))), lambda h, b: h.t.inner.wer.append(
+        [f"u{b}"], [["a"]], [["a" if b % 2 else "b"]]), "t"),
+    (lambda: types.SimpleNamespace(metrics={"VALID": [sb.utils.metric_stats.ErrorRateStats()]}),
+     lambda h, b: h.metrics["VALID"][0].append([f"u{b}"], [["a"]], [["a" if b % 2 else "b"]]), "metrics"),
+], ids=["object in an object", "list in a dict"])
+def test_a_metric_object_held_where_ddp_eval_does_not_look_is_named_with_where_to_hold_it(make, batch, named):
+    """A metric object deeper than ddp_eval looks (an object's object, a list in a dict)
+    that batches append to is named, saying where metric objects are found."""
+    _, records, _ = simulate_stage([[0, 3], [1, 2], []], lambda: _brain(make), batch, DDPEvalConfig())
+    why = records[0].report["unmergeable"][named]
+    assert "does not look for metric objects" in why and "self.trackers.wer" in why, why

@@ -125,6 +125,11 @@ class Watch:
                            "state out of reach), so whether batches changed or read it is unknown, and what they "
                            "computed from it may be each rank's own; keep it out of the batches (list it in "
                            "ddp_eval: attributes_exclude if no batch uses it), or keep what batches compute in a list")
+        elif unexplained(self.marker, self.obj) and is_metric_object(self.obj):
+            self.slot.fail(f"a {type(self.obj).__name__} held where ddp_eval does not look for metric objects, "
+                           "which batches changed; hold it as an attribute, in a dict attribute (two levels down "
+                           "at most: self.metrics[stage]['wer']) or in a field of an object of the recipe's own "
+                           "(self.trackers.wer), created in on_stage_start")
         elif unexplained(self.marker, self.obj):
             self.read_unseen = True  # a random generator: what batches drew from it went elsewhere unseen
             held = " (what its closure, defaults, arguments or object hold)" if captured_state(self.obj) else ""
