@@ -1137,3 +1137,39 @@ def test_a_metric_object_held_where_ddp_eval_does_not_look_is_named_with_where_t
     _, records, _ = simulate_stage([[0, 3], [1, 2], []], lambda: _brain(make), batch, DDPEvalConfig())
     why = records[0].report["unmergeable"][named]
     assert "does not look for metric objects" in why and "self.trackers.wer" in why, why
+
+
+def _shared_with_holder():
+    ids = []
+    return types.SimpleNamespace(ids=ids, stats={"wer": sb.utils.metric_stats.ErrorRateStats(), "ids": ids})
+
+
+def _append_through_holder(h, b):
+    _score(h, b)
+    h.stats["ids"].append(b)
+
+
+@pytest.mark.parametrize("layout", [[[0, 1, 2, 3]], *LAYOUTS.values()], ids=["one process", *LAYOUTS])
+def test_a_list_an_attribute_and_a_holder_of_metric_objects_share_merges_through_either(layout):
+    """``self.ids`` also held in ``self.stats = {"wer": ..., "ids": self.ids}`` and
+    appended through ``self.stats["ids"]``: the holder's entry holds the list's
+    recording copy for the stage, so the list merges exactly and stays shared. Before,
+    the appends went to the list behind the copy's back and were lost at stage end,
+    also in one process (``finish_alone``)."""
+    n = sum(map(len, layout))
+    if len(layout) == 1:
+        from ddp_eval.state.bookkeeping import StageBook
+        brain = _brain(_shared_with_holder)
+        book = StageBook(brain, DDPEvalConfig())
+        book.start()
+        for b in range(n):
+            _append_through_holder(brain, b)
+            book.after_batch()
+        book.finish_alone(range(n))
+        holders = [brain]
+    else:
+        holders, records, _ = simulate_stage(layout, lambda: _brain(_shared_with_holder), _append_through_holder,
+                                             DDPEvalConfig())
+        assert not set().union(*(record.report["unmergeable"] for record in records))
+    for holder in holders:
+        assert holder.ids == list(range(n)) and holder.stats["ids"] is holder.ids

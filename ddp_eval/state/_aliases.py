@@ -41,7 +41,7 @@ import collections
 import functools
 import itertools
 import types
-from typing import Any, Dict, Iterable, List, Mapping, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Set, Tuple
 
 from ddp_eval import sb_compat
 from ddp_eval.state import _recording
@@ -70,9 +70,12 @@ class SharedCopies:
         The recipe's Brain.
     notes : BatchNotes
         The stage's notes, whose ``copies`` are the containers watched and their recording copies.
+    unwatched : set
+        Brain attributes no watch follows (those holding metric objects): their entries
+        and fields are places too.
     """
 
-    def __init__(self, brain: Any, notes: BatchNotes) -> None:
+    def __init__(self, brain: Any, notes: BatchNotes, unwatched: Set[str] = frozenset()) -> None:
         self.brain = brain
         self.copies = {id(copy): (original, copy) for original, copy, _ in notes.copies.values()}
         self.held: List[Tuple[str, Any, Any, Any, str]] = []  # (label, owner, name, copy, of)
@@ -84,7 +87,7 @@ class SharedCopies:
                 self.held.append((label, owner, name, copy, of))
         self.notes = notes
         self.restored: List[Tuple[str, Any, Any, Any, Any, str]] = []  # given their container back
-        self.elsewhere, self.unseen = (_hold_copies_elsewhere(brain, notes) if _recording.SHARE_COPIES
+        self.elsewhere, self.unseen = (_hold_copies_elsewhere(brain, notes, unwatched) if _recording.SHARE_COPIES
                                        and notes.copies else ([], {}))
         for label, _, _, _, copy, of in self.elsewhere:
             if of is not None:  # of None: a tuple holding copies (its entries are noted)
@@ -137,8 +140,10 @@ class SharedCopies:
         self.restored, self.elsewhere = self.restored + self.elsewhere, []
 
 
-def _hold_copies_elsewhere(brain: Any, notes: BatchNotes) -> Tuple[List[Tuple[str, Any, Any, Any, Any, str]],
-                                                                     Dict[str, List[str]]]:
+Swapped = List[Tuple[str, Any, Any, Any, Any, str]]
+
+
+def _hold_copies_elsewhere(brain: Any, notes: BatchNotes, unwatched: Set[str]) -> Tuple[Swapped, Dict[str, List[str]]]:
     """Each place outside the Brain its code may read a watched container through
     (:func:`_places_outside`) gets the container's recording copy for the stage, so
     that a batch's read through it sees what batches added, and is on the record:
@@ -146,7 +151,7 @@ def _hold_copies_elsewhere(brain: Any, notes: BatchNotes) -> Tuple[List[Tuple[st
     places that cannot take the copy (a tuple's entries), by the container's label."""
     originals = {id(original): (original, copy, of) for original, copy, of in notes.copies.values()}
     swapped, unseen = [], {}
-    places, tuples = _places_outside(brain, originals)
+    places, tuples = _places_outside(brain, originals, unwatched)
     for label, place, key in places:
         held = _held(place, key)
         if id(held) in originals and originals[id(held)][0] is held:
@@ -186,8 +191,8 @@ _MOST_PLACES = 10_000  # the walk stops there: a stage start stays cheap
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
-def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tuple[str, Any, Any]],
-                                                                         List[Tuple[str, tuple, int, Any, Any]]]:
+def _places_outside(brain: Any, originals: Mapping[int, Any], unwatched: Set[str] = frozenset()
+                    ) -> Tuple[List[Tuple[str, Any, Any]], List[Tuple[str, tuple, int, Any, Any]]]:
     """``(label, place, key)`` of the places outside the Brain its code may read a
     container through, and ``(label, tuple, index, place, key)`` of the tuples'
     entries holding a watched container (``originals``, by id), with the place that
@@ -200,7 +205,8 @@ def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tupl
     :data:`_DEPTH` places down through functions, partials, dicts, lists and tuples
     of at most :data:`_MOST_ENTRIES` entries, objects of the recipe's own and (one
     level down) a recipe module's globals, :data:`_MOST_PLACES` places at most;
-    never into a watched container."""
+    never into a watched container. The Brain's ``unwatched`` attributes (holders of
+    metric objects) are walked from their entries and fields too."""
     found: List[Tuple[str, Any, Any]] = []
     tuples: List[Tuple[str, tuple, int, Any, Any]] = []
     seen = {id(brain)} | set(originals)
@@ -225,7 +231,7 @@ def _places_outside(brain: Any, originals: Mapping[int, Any]) -> Tuple[List[Tupl
 
     for name, value in _attributes(brain):  # the Brain's own containers and objects are watched: their cells only
         note_tuple(name, value, None, None)
-        look_into(name, value, 0, objects=False)
+        look_into(name, value, 0, objects=name in unwatched)  # a holder of metric objects: its entries too
     for label, _, _, value in _hparams_fields(brain):  # hparams' dicts, lists and objects are outside the Brain
         note_tuple(label, value, None, None)  # a field of hparams: the Brain's watch may hold it too
         look_into(label, value, 0, objects=not sb_compat.holds_scratch_state(value))

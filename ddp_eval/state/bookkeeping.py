@@ -413,7 +413,7 @@ class StageBook:
     def share(self) -> None:
         """The places outside the Brain that hold a watched container (``hparams``' fields,
         closures, globals) hold its recording copy from now on, for the stage."""
-        self.shared = SharedCopies(self.brain, self.attributes.notes)
+        self.shared = SharedCopies(self.brain, self.attributes.notes, self._holder_names(self.metrics.objects))
 
     def metric_object_ids(self) -> Set[int]:
         """Ids of the metric objects found and those they hold: merged as such (one
