@@ -994,6 +994,15 @@ def _made_with_count(h, b):
     h.made["n"] += 1
 
 
+def _one_process_and_named(make, batch, layout):
+    """``(one process, [each rank after the merge], records, the labels the ranks named)``."""
+    single = make()
+    for b in range(sum(map(len, layout))):
+        batch(single, b)
+    holders, records, _ = simulate_stage(layout, lambda: _brain(make), batch, DDPEvalConfig())
+    return single, holders, records, set().union(*(record.report["unmergeable"] for record in records))
+
+
 HOLDERS = {  # make, batch, what is named
     "counter beside": (lambda: _holding(n=0), _counter_beside, {"stats"}),
     "ids beside": (lambda: _holding(ids=[]), _ids_beside, {"stats"}),
@@ -1012,11 +1021,7 @@ def test_what_an_attribute_holding_metric_objects_holds_besides_them_is_named_if
     it), unnamed. What it holds besides metric objects is now named when a batch
     changes it; the metric object merges exactly either way."""
     make, batch, named = HOLDERS[case]
-    single = make()
-    for b in range(sum(map(len, layout))):
-        batch(single, b)
-    holders, records, _ = simulate_stage(layout, lambda: _brain(make), batch, DDPEvalConfig())
-    got = set().union(*(record.report["unmergeable"] for record in records))
+    single, holders, records, got = _one_process_and_named(make, batch, layout)
     assert got == named, got
     for name in named:
         why = next(r.report["unmergeable"][name] for r in records if name in r.report["unmergeable"])
@@ -1110,11 +1115,7 @@ def test_metric_objects_held_below_the_attributes_entries_merge_exactly_or_are_n
     each rank its own; in ``hparams``, a warning). One a batch put there, took away or
     replaced is named, so is what else the holder holds when a batch changes it."""
     make, batch, named = DEEPER[case]
-    single = make()
-    for b in range(sum(map(len, layout))):
-        batch(single, b)
-    holders, records, _ = simulate_stage(layout, lambda: _brain(make), batch, DDPEvalConfig())
-    got = set().union(*(record.report["unmergeable"] for record in records))
+    single, holders, records, got = _one_process_and_named(make, batch, layout)
     if named is not None:
         assert got == named, got
         return

@@ -88,10 +88,6 @@ class MetricHolders:
             else:
                 self._rests[name] = Fingerprint.of(rest)
 
-    @property
-    def followed(self) -> set:
-        return self._rests.keys() | self._made.keys()
-
     @staticmethod
     def rest_at_start(original: Any, found: Set[int]) -> Optional[Fingerprint]:
         """The fingerprint of what ``original`` (an attribute's stage-start value)

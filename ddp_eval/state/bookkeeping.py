@@ -427,12 +427,12 @@ class StageBook:
     def _holders_at_start(self, names: Iterable[str]) -> Dict[str, Any]:
         """For :meth:`MetricHolders.adopt`: what new holders held at stage start besides
         metric objects (the original of a watched one; None: bound by a batch)."""
-        starts = {}
+        starts, found = {}, self.metric_object_ids() if names else set()
         for name in names:
             slot = self.attributes.tracks.get(name)
             if slot is not None:
                 starts[name] = MetricHolders.rest_at_start(slot.original if slot.original is not None else slot.start,
-                                                           self.metric_object_ids())
+                                                           found)
             elif name not in self._names_at_start:
                 starts[name] = None
         return starts
