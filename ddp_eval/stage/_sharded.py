@@ -58,6 +58,15 @@ def _gc_paused():
             gc.enable()
 
 
+def _outside_markers(brain: Any, book: StageBook):
+    """State outside the Brain (hparams, recoverables), minus what the Brain
+    itself holds as mergeable attributes and the metric objects found."""
+    own = [id(v) for v in vars(brain).values() if isinstance(v, (list, dict, torch.Tensor))] + [
+        id(original) for original, _, _ in book.attributes.notes.copies.values()]  # a global holding one
+    own += list(book.metric_object_ids())  # in hparams: merged as metric objects
+    return outside_markers(brain, skip_ids=own)
+
+
 class ShardedStage:
     """The bookkeeping of one sharded stage on this rank.
 
@@ -109,7 +118,7 @@ class ShardedStage:
         self.book = StageBook(brain, cfg, share=False)
         crcs: Dict[int, int] = {}  # the buffers' checksums, read once for both uses
         tensors = model_of(brain) if self.journal_root is not None else []
-        self.outside, self.modules = self._outside_markers(), module_states(brain, crcs)
+        self.outside, self.modules = _outside_markers(brain, self.book), module_states(brain, crcs)
         self.book.share()  # after the markers: they see what the recipe's places hold, not the recording copies
         plan, old = None, []
         limit = brain.debug_batches if getattr(brain, "debug", False) else None  # --debug: global batches
@@ -146,14 +155,6 @@ class ShardedStage:
     @property
     def attributes(self) -> Any:
         return self.book.attributes
-
-    def _outside_markers(self):
-        """State outside the Brain (hparams, recoverables), minus what the Brain
-        itself holds as mergeable attributes and the metric objects found."""
-        own = [id(v) for v in vars(self.brain).values() if isinstance(v, (list, dict, torch.Tensor))] + [
-            id(original) for original, _, _ in self.book.attributes.notes.copies.values()]  # a global holding one
-        own += list(self.book.metric_object_ids())  # in hparams: merged as metric objects
-        return outside_markers(self.brain, skip_ids=own)
 
     # -- per batch -----------------------------------------------------------------
 
@@ -215,7 +216,7 @@ class ShardedStage:
                 with sb_compat.local_collectives():
                     reference_loss, reference, changed = self.verifier.reference(
                         brain, self.stage, batches,
-                        lambda: {**self._outside_markers(), **module_states(brain), **recipe_globals(brain)})
+                        lambda: {**_outside_markers(brain, self.book), **module_states(brain), **recipe_globals(brain)})
             finally:
                 shutil.rmtree(self.scratch, ignore_errors=True)
                 self.scratch = None
@@ -256,8 +257,8 @@ class ShardedStage:
         positions = global_batch_ids(self.loader)
         record = self.book.collect(positions)
         excluded = set(self.config.attributes_exclude) | set(self.attributes.tracks)
-        outside = {label: why for label, why in changed_outside(self.outside, self._outside_markers()).items()
-                   if label not in excluded}
+        now = _outside_markers(self.brain, self.book)
+        outside = {label: why for label, why in changed_outside(self.outside, now).items() if label not in excluded}
         old = self.resume.old_states() if self.resume is not None else []
         places = list(positions[: self.metrics.batches]) + [float("inf")]
         losses = list(zip(positions, self.losses)) + (self.resume.old_losses() if self.resume is not None else [])
