@@ -47,6 +47,9 @@ rank, returning what ``on_stage_end`` saw.
   watched one by one, set on several ranks, and what its reads steered: named. A
   count beside a metric object in one dict (``{"err": ErrorRateStats(), "n": 0}``):
   the metric object exact, the dict named.
+* ``steps``: ``self.step``, SpeechBrain's count of the stage's batches, read by each
+  batch (kept, and steering which batches keep a sample id) and by TEST's
+  ``on_stage_end``, where ``evaluate`` leaves the count; ``loaders`` reads it too.
 * ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
   written per batch by ``json.dumps`` of what its method hands back, by a helper given
   it with a second parameter (also ahead of a spread tuple), by ``json.dumps`` held in
@@ -88,7 +91,7 @@ from tests import toy
 from tests.mp_harness import ddp_eval_messages
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
-            "unmergeable_code", "training_only", "outside_reads", "held_outside", "c_reads")
+            "unmergeable_code", "training_only", "outside_reads", "held_outside", "c_reads", "steps")
 
 
 def bleu_stats():
@@ -369,11 +372,30 @@ class PatternBrain(toy.ToyBrain):
 
     # -- loaders -------------------------------------------------------------------
 
-    _start_loaders = _start_last_values
-    _batch_loaders = _batch_last_values
+    def _start_loaders(self, stage):
+        self._start_last_values(stage)
+        self.loader_steps = []
+
+    def _batch_loaders(self, logits, labels, loss, batch, stage):
+        self._batch_last_values(logits, labels, loss, batch, stage)
+        self.loader_steps.append(self.step)  # SpeechBrain's count, through a loader the recipe built
 
     def _end_loaders(self, stage, stage_loss, epoch):
-        return {"n_batches": self.n_batches, "per_class": sorted(self.per_class.items())}
+        return {"n_batches": self.n_batches, "per_class": sorted(self.per_class.items()),
+                "loader_steps": list(self.loader_steps), "step_at_end": self.step}
+
+    # -- steps: SpeechBrain's batch count read by a batch --------------------------------
+
+    def _start_steps(self, stage):
+        self.steps_seen, self.sample_ids = [], []
+
+    def _batch_steps(self, logits, labels, loss, batch, stage):
+        self.steps_seen.append(self.step)
+        if self.step <= 2:  # keep samples of the first batches, as recipes that save a few outputs do
+            self.sample_ids.append(batch.id[0])
+
+    def _end_steps(self, stage, stage_loss, epoch):
+        return {"steps_seen": list(self.steps_seen), "sample_ids": list(self.sample_ids), "step_at_end": self.step}
 
     # -- files ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from tests import patterns
 from tests.mp_harness import results, run_ranks
 
 pytestmark = pytest.mark.timeout(400)
-EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms", "training_only")
+EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms", "training_only", "steps")
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,24 @@ def test_a_debug_run_evaluates_the_global_batches_one_process_would(tmp_path):
             assert_records_equal(evaluation_records(out[pattern]), evaluation_records(want[pattern]))
 
 
-@pytest.mark.parametrize("pattern", ["files", "last_values"])
+def test_the_batch_count_speechbrain_keeps_is_one_process_s_and_names_nothing(ranks, references):
+    """``self.step`` in each VALID/TEST batch is one process's count (not the rank's own),
+    so what it steers is exact; at TEST's on_stage_end it is the stage's count, also on
+    a rank with no TEST batch; with loaders the mixin made and loaders the recipe
+    built (a LoopedLoader, sharded as a stream)."""
+    world_size, outs = ranks
+    want = evaluation_records(references["steps"])
+    assert [r["steps_seen"] for r in want] == [[1, 2, 3, 4, 5, 6, 7, 8]] * 2 + [[1, 2]]  # 8 VALID, 2 TEST batches
+    assert [r["step_at_end"] for r in want] == [0, 0, 2]  # fit() sets 0 before VALID's end; evaluate() leaves it
+    for out in outs:
+        assert out["steps"]["warnings"] == []
+        assert_records_equal(evaluation_records(out["steps"]), want)
+        got, loops = evaluation_records(out["loaders"]), evaluation_records(references["loaders"])
+        assert [(r["loader_steps"], r["step_at_end"]) for r in got] == [
+            (r["loader_steps"], r["step_at_end"]) for r in loops]
+
+
+@pytest.mark.parametrize("pattern", ["files", "last_values", "steps"])
 def test_a_resumed_stage_keeps_what_its_journal_holds(pattern, tmp_path):
     """TEST (9 utterances, 5 batches) interrupted after one batch per rank at 2
     ranks, resumed at 3: the per-batch file and the last batch's values equal one

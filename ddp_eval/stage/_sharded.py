@@ -38,6 +38,7 @@ from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
 from ddp_eval.stage._model import ModuleUse, ddp_wrapped, model_modules, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
+from ddp_eval.stage._steps import OneProcessSteps, stage_steps
 from ddp_eval.stage._verify import StageVerifier, compare, recipe_attributes, scratch_folder, wants_verification
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
 from ddp_eval.state import Fingerprint, changed_outside, in_global_order, outside_markers
@@ -102,6 +103,7 @@ class ShardedStage:
         self.verifier: Optional[StageVerifier] = None  # verify: the one-process reference of this stage
         self.scratch: Optional[str] = None  # where stage_output files go during the reference pass
         self.gathered: list = []  # FSDP modules whose full parameters this stage holds
+        self.steps: Optional[OneProcessSteps] = None  # brain.step as one process counts it
 
     # -- start -------------------------------------------------------------------
 
@@ -142,6 +144,7 @@ class ShardedStage:
         if self.journal_root is not None:
             self.resume = StageResume.accept(per_rank[0][1], old, tensors, [p[2] for p in per_rank], self,
                                              self.journal_root, cfg.resume_eval_every_s)
+        self.steps = stage_steps(brain, self.loader, plan)
         self.running = True
         self.module_use = ModuleUse(brain)
         self.appends.__enter__()
@@ -168,6 +171,7 @@ class ShardedStage:
         if self.resume is not None:
             self.resume.after_batch(self.brain, self)  # plain values: no probes in a journal piece
         self.book.start()  # probes for the next batch
+        self.steps.before()
 
     def stage_output(self, path: Any) -> Any:
         """This rank's part of a per-batch file while batches run (a scratch file
@@ -194,6 +198,8 @@ class ShardedStage:
                 self._verify(loss)
         finally:
             self._release_parameters()
+        if self.stage.name == "TEST":  # evaluate() leaves its count for on_stage_end (fit() sets 0 for VALID)
+            self.steps.at_test_end()
         return loss
 
     def _release_parameters(self) -> None:
@@ -293,6 +299,7 @@ class ShardedStage:
     def _stop_batches(self) -> None:
         if self.running:
             self.running = False
+            self.steps.release()
             self.used_modules = self.module_use.stop()
             self.appends.__exit__()
             self.local_collectives.__exit__(None, None, None)

@@ -21,7 +21,7 @@ import array
 import hashlib
 import itertools
 import zlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -248,6 +248,7 @@ class _Dealt:
         self.digests: Dict[int, Optional[str]] = {}  # position -> digest of its ids, of batches yielded
         self.done: frozenset = frozenset()
         self._expected: Dict[int, Optional[str]] = {}
+        self.before_yield: Optional[Callable[[int], None]] = None  # told each kept batch's position
 
     def skip(self, done: Iterable[int], expected: Optional[Dict[int, Optional[str]]] = None) -> None:
         """From now on, read past the batches in ``done`` without yielding them
@@ -274,6 +275,8 @@ class _Dealt:
             if batch_owner(remaining, self.world_size) == self.rank:
                 yielded.append(index)
                 self.digests[index] = batch_ids_digest(batch)
+                if self.before_yield is not None:
+                    self.before_yield(index)
                 yield batch
             remaining += 1
 
