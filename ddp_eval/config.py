@@ -54,7 +54,10 @@ class DDPEvalConfig:
         rules (e.g. ``hparams.aligner.align_dict``); they add to the Brain's
         attributes, which only names without a dot restrict.
     attributes_exclude : list of str
-        Brain attributes never merged (they stay rank-local, without warning).
+        Brain attributes never merged (they stay rank-local, without warning);
+        also paths outside the Brain, and the global random generators
+        (``torch.random``, ``random``, ``numpy.random``) whose draws in
+        evaluation batches are then not named.
     on_unmergeable_attribute : str
         What to do when an attribute changed during a sharded stage in a way
         that cannot be merged (e.g. replaced by a new object): ``"warn"``

@@ -50,6 +50,10 @@ rank, returning what ``on_stage_end`` saw.
 * ``steps``: ``self.step``, SpeechBrain's count of the stage's batches, read by each
   batch (kept, and steering which batches keep a sample id) and by TEST's
   ``on_stage_end``, where ``evaluate`` leaves the count; ``loaders`` reads it too.
+* ``random_draws``: masks and noise drawn in evaluation from torch's, Python's and
+  NumPy's global generators (as wav2vec2's and BEST-RQ's losses): named;
+  ``seeded_draws``: drawn from a generator seeded by the batch's ids, and from torch's
+  seeded by ``self.step`` inside ``fork_rng``: exact.
 * ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
   written per batch by ``json.dumps`` of what its method hands back, by a helper given
   it with a second parameter (also ahead of a spread tuple), by ``json.dumps`` held in
@@ -71,6 +75,7 @@ import json
 import logging
 import os
 import pathlib
+import random
 import sys
 import types
 import zlib
@@ -91,7 +96,8 @@ from tests import toy
 from tests.mp_harness import ddp_eval_messages
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
-            "unmergeable_code", "training_only", "outside_reads", "held_outside", "c_reads", "steps")
+            "unmergeable_code", "training_only", "outside_reads", "held_outside", "c_reads", "steps", "random_draws",
+            "seeded_draws")
 
 
 def bleu_stats():
@@ -383,6 +389,29 @@ class PatternBrain(toy.ToyBrain):
     def _end_loaders(self, stage, stage_loss, epoch):
         return {"n_batches": self.n_batches, "per_class": sorted(self.per_class.items()),
                 "loader_steps": list(self.loader_steps), "step_at_end": self.step}
+
+    # -- random_draws, seeded_draws: masks drawn in evaluation, as wav2vec2's and BEST-RQ's losses ----
+
+    def _start_random_draws(self, stage):
+        self.kept, self.noise = 0, 0.0
+
+    def _batch_random_draws(self, logits, labels, loss, batch, stage):
+        self.kept += int((torch.rand(len(batch.id)) < 0.5).sum())  # torch's global generator
+        self.noise += random.random() + float(np.random.rand())  # Python's and NumPy's
+
+    def _end_random_draws(self, stage, stage_loss, epoch):
+        return {"kept": self.kept, "noise": self.noise}
+
+    _start_seeded_draws = _start_random_draws
+
+    def _batch_seeded_draws(self, logits, labels, loss, batch, stage):
+        seeded = torch.Generator().manual_seed(zlib.crc32(" ".join(batch.id).encode()))  # by the batch
+        self.kept += int((torch.rand(len(batch.id), generator=seeded) < 0.5).sum())
+        with torch.random.fork_rng():  # or the global one, seeded by SpeechBrain's count, then put back
+            torch.manual_seed(1000 + self.step)
+            self.noise += float(torch.rand(1))
+
+    _end_seeded_draws = _end_random_draws
 
     # -- steps: SpeechBrain's batch count read by a batch --------------------------------
 

@@ -14,7 +14,8 @@ from tests import patterns
 from tests.mp_harness import results, run_ranks
 
 pytestmark = pytest.mark.timeout(400)
-EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms", "training_only", "steps")
+EXACT = ("last_values", "containers", "arrays", "loaders", "ordinary_code", "idioms", "training_only", "steps",
+         "seeded_draws")
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,26 @@ def test_the_batch_count_speechbrain_keeps_is_one_process_s_and_names_nothing(ra
         got, loops = evaluation_records(out["loaders"]), evaluation_records(references["loaders"])
         assert [(r["loader_steps"], r["step_at_end"]) for r in got] == [
             (r["loader_steps"], r["step_at_end"]) for r in loops]
+
+
+def test_draws_from_the_global_random_generators_are_named_and_draws_seeded_by_the_batch_are_exact(ranks,
+                                                                                                   references):
+    """Masks drawn in evaluation from torch's, Python's and NumPy's global generators:
+    on a rank from another state than one process's at that batch, so the values
+    differ; named on every stage, with the ranks that drew (not rank 2 at 3 ranks,
+    which has no TEST batch). Drawn from generators seeded by the batch: exact
+    (test_exact_patterns...), nothing named."""
+    world_size, outs = ranks
+    warned = [w for w in outs[0]["random_draws"]["warnings"] if "drew from the global random" in w]
+    assert [re.search(r"sharded (\w+) stage", w)[1] for w in warned] == ["VALID", "VALID", "TEST"]
+    every = ", ".join(map(str, range(world_size)))
+    for w in warned[:2]:
+        assert f"torch.random (on rank(s) {every})" in w and f"random (on rank(s) {every})" in w
+        assert f"numpy.random (on rank(s) {every})" in w
+    assert "torch.random (on rank(s) 0, 1)" in warned[2]  # at 3 ranks, rank 2 evaluated no TEST batch
+    got, want = evaluation_records(outs[0]["random_draws"]), evaluation_records(references["random_draws"])
+    assert [r["noise"] for r in got] != [r["noise"] for r in want]  # why it is named
+    assert all(out["seeded_draws"]["warnings"] == [] for out in outs)
 
 
 @pytest.mark.parametrize("pattern", ["files", "last_values", "steps"])

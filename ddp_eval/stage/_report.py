@@ -78,6 +78,21 @@ class StageReport:
                 "'class C.x'): keep it on the Brain instead (self.x, bound in on_stage_start); "
                 f"or set shard_{name}: false; or list the path "
                 "in ddp_eval: attributes_exclude if it is rank-local on purpose.")
+        drew = {generator: [rank for rank, r in enumerate(self.per_rank) if generator in r.get("random", ())]
+                for generator in sorted({g for r in self.per_rank for g in r.get("random", ())})}
+        if drew:
+            messages.append(
+                f"ddp_eval: during the sharded {self.stage} stage, batches drew from the global random "
+                "generator(s) " + ", ".join(f"{g} (on rank(s) {', '.join(map(str, ranks))})" for g, ranks in
+                                            drew.items()) +
+                ": on a rank a batch draws from another state than one process at that batch (which has drawn "
+                "for every earlier batch), so what it computed from the draws (masks, sampled negatives, noise: "
+                "the stage loss, metrics) may differ from one process, and the generators' states after the stage "
+                "differ across ranks. Expected evaluation that draws nothing, or draws from a generator seeded by "
+                "the batch, which draws the same on any rank (torch.Generator().manual_seed(zlib.crc32(' '.join("
+                "batch.id).encode())), or torch.manual_seed(seed + self.step) inside torch.random.fork_rng()); "
+                f"or set shard_{name}: false; or list the generator in ddp_eval: attributes_exclude if its draws "
+                "do not change what the stage computes.")
         if self.unsendable:
             raise ConfigError(f"ddp_eval: at the end of the sharded {self.stage} stage, "
                               + "; ".join(f"'{p}': {why}" for p, why in sorted(self.unsendable.items()))

@@ -35,10 +35,10 @@ from ddp_eval import sb_compat
 from ddp_eval.distributed import fsdp
 from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
+from ddp_eval.stage._loop import LoopWatch
 from ddp_eval.stage._model import ModuleUse, ddp_wrapped, model_modules, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
-from ddp_eval.stage._steps import OneProcessSteps, stage_steps
 from ddp_eval.stage._verify import StageVerifier, compare, recipe_attributes, scratch_folder, wants_verification
 from ddp_eval.stage.sharding import check_same_batches, describe_loader, global_batch_ids, is_stream, new_plan
 from ddp_eval.state import Fingerprint, changed_outside, in_global_order, outside_markers
@@ -103,7 +103,7 @@ class ShardedStage:
         self.verifier: Optional[StageVerifier] = None  # verify: the one-process reference of this stage
         self.scratch: Optional[str] = None  # where stage_output files go during the reference pass
         self.gathered: list = []  # FSDP modules whose full parameters this stage holds
-        self.steps: Optional[OneProcessSteps] = None  # brain.step as one process counts it
+        self.loop: Optional[LoopWatch] = None  # brain.step as one process counts it; random draws
 
     # -- start -------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class ShardedStage:
         if self.journal_root is not None:
             self.resume = StageResume.accept(per_rank[0][1], old, tensors, [p[2] for p in per_rank], self,
                                              self.journal_root, cfg.resume_eval_every_s)
-        self.steps = stage_steps(brain, self.loader, plan)
+        self.loop = LoopWatch(brain, self.loader, plan)
         self.running = True
         self.module_use = ModuleUse(brain)
         self.appends.__enter__()
@@ -171,7 +171,7 @@ class ShardedStage:
         if self.resume is not None:
             self.resume.after_batch(self.brain, self)  # plain values: no probes in a journal piece
         self.book.start()  # probes for the next batch
-        self.steps.before()
+        self.loop.after_batch()
 
     def stage_output(self, path: Any) -> Any:
         """This rank's part of a per-batch file while batches run (a scratch file
@@ -199,7 +199,7 @@ class ShardedStage:
         finally:
             self._release_parameters()
         if self.stage.name == "TEST":  # evaluate() leaves its count for on_stage_end (fit() sets 0 for VALID)
-            self.steps.at_test_end()
+            self.loop.steps.at_test_end()
         return loss
 
     def _release_parameters(self) -> None:
@@ -270,7 +270,9 @@ class ShardedStage:
         losses = list(zip(positions, self.losses)) + (self.resume.old_losses() if self.resume is not None else [])
         collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), losses, old)), record=record)
         notes = self.resume.old_notes() if self.resume is not None else []
-        return {**with_journal_notes(record.report, notes), "outside": outside, "stream": self._stream_read(),
+        drew = [generator for generator in self.loop.draws.finish() if generator not in excluded]
+        return {**with_journal_notes(record.report, notes), "outside": outside, "random": drew,
+                "stream": _stream_read(self.loader),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
                 "modules": (self.modules, module_states(self.brain), self.used_modules),
                 "appends": list(self.appends.paths)}
@@ -291,15 +293,10 @@ class ShardedStage:
         write_outputs({t: in_global_order([c]) for t, c in self.outputs.state(places).items()})
         self.outputs.remove_parts()
 
-    def _stream_read(self):
-        """A stream read whole on every rank: ``(batches, digest)`` of what it read."""
-        loader = self.loader
-        return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
-
     def _stop_batches(self) -> None:
         if self.running:
             self.running = False
-            self.steps.release()
+            self.loop.stop()
             self.used_modules = self.module_use.stop()
             self.appends.__exit__()
             self.local_collectives.__exit__(None, None, None)
@@ -317,6 +314,11 @@ class ShardedStage:
         """After ``on_stage_end`` ran on every rank: the journal is no longer needed."""
         if self.resume is not None:
             self.resume.close()
+
+
+def _stream_read(loader: Any) -> Optional[Tuple[int, str]]:
+    """A stream read whole on every rank: ``(batches, digest)`` of what it read."""
+    return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
 
 
 def running_average(losses: List[Tuple[int, Optional[float]]]) -> float:

@@ -21,7 +21,7 @@ import array
 import hashlib
 import itertools
 import zlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
@@ -193,6 +193,7 @@ class ShardedBatchSampler(Sampler):
         self.done: frozenset = frozenset()
         self.plan: Optional[BatchPlan] = None  # of the current stage
         self._plan_unread = False  # new_plan() made it and no iteration has read it yet
+        self.listener: Optional[Any] = None  # told when reading starts (listen())
 
     def new_plan(self, limit: Optional[int] = None) -> BatchPlan:
         """Builds this stage's batches: one pass of the batch sampler (its first
@@ -211,6 +212,8 @@ class ShardedBatchSampler(Sampler):
         if not self._plan_unread:  # iterated again, or outside a stage: one more pass, as one process
             self.new_plan()
         self._plan_unread = False
+        if self.listener is not None:
+            self.listener.reading()
         plan = self.plan
         for index in self.global_batch_ids():
             yield plan[index]
@@ -248,7 +251,7 @@ class _Dealt:
         self.digests: Dict[int, Optional[str]] = {}  # position -> digest of its ids, of batches yielded
         self.done: frozenset = frozenset()
         self._expected: Dict[int, Optional[str]] = {}
-        self.before_yield: Optional[Callable[[int], None]] = None  # told each kept batch's position
+        self.listener: Optional[Any] = None  # told when reading starts and of each batch yielded (listen())
 
     def skip(self, done: Iterable[int], expected: Optional[Dict[int, Optional[str]]] = None) -> None:
         """From now on, read past the batches in ``done`` without yielding them
@@ -257,6 +260,8 @@ class _Dealt:
         self.done, self._expected = frozenset(done), dict(expected or {})
 
     def _deal(self, batches: Iterable[Any]) -> Iterator[Any]:
+        if self.listener is not None:
+            self.listener.reading()
         self._yielded = yielded = []
         self.digests, self.ledger = {}, BatchLedger()
         remaining = 0
@@ -267,6 +272,8 @@ class _Dealt:
             self.ledger.add(list(ids) if ids is not None else [])  # without ids: the count only
             if self.split == "by_dataset":
                 yielded.append(index)
+                if self.listener is not None:
+                    self.listener.handing(index)
                 yield batch
                 continue
             if index in self.done:
@@ -275,8 +282,8 @@ class _Dealt:
             if batch_owner(remaining, self.world_size) == self.rank:
                 yielded.append(index)
                 self.digests[index] = batch_ids_digest(batch)
-                if self.before_yield is not None:
-                    self.before_yield(index)
+                if self.listener is not None:
+                    self.listener.handing(index)
                 yield batch
             remaining += 1
 
@@ -337,6 +344,13 @@ class ShardedLoopedLoader(_Dealt, LoopedLoader):
         if name == "looped":
             raise AttributeError(name)
         return getattr(self.looped, name)
+
+
+def listen(loader, listener: Optional[Any]) -> None:
+    """From now on, ``listener.reading()`` when a sharded ``loader`` starts reading a
+    pass (after its iterator drew its seed), and ``listener.handing(position)`` right
+    before a stream yields a batch (None: no more)."""
+    (loader if is_stream(loader) else loader.batch_sampler).listener = listener
 
 
 def is_stream(loader) -> bool:

@@ -1,0 +1,174 @@
+"""What SpeechBrain's VALID/TEST loop sees around each batch of a sharded stage.
+
+SpeechBrain's loops count the stage's batches in ``Brain.step`` (``self.step +=
+1`` right before each batch); ``evaluate`` leaves the count for TEST's
+``on_stage_end`` (``fit`` sets 0 before VALID's). On a rank they would count its
+own batches only, so code that reads ``self.step`` in a batch (``if self.step <=
+5:`` keep a sample) or in TEST's ``on_stage_end`` would see another number than
+one process: :class:`OneProcessSteps` keeps it one process's.
+
+A batch that draws from the process's global random generators (masks, sampled
+negatives, noise: wav2vec2's and BEST-RQ's losses) draws, on a rank, from another
+state than one process at that batch, which has drawn for every earlier batch: what
+it computes from the draws may differ, and no merge can tell. :class:`RandomDraws`
+notes which generators this rank's batches drew from, to be named at stage end.
+"""
+
+import random
+import zlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ddp_eval.stage.sharding import global_batch_ids, is_stream, listen
+
+try:
+    import numpy
+except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+    numpy = None
+
+TORCH, PYTHON, NUMPY = "torch.random", "random", "numpy.random"  # as named, and as attributes_exclude takes them
+
+
+class OneProcessSteps:
+    """Sets ``brain.step`` before each of this rank's batches so that the loop's
+    ``+= 1`` gives what one process holds there (the step at stage start plus the
+    batch's global position plus one), and at TEST's end the global count.
+
+    Arguments
+    ---------
+    brain : sb.Brain
+        The Brain whose ``step`` the loop counts.
+    positions : sequence of int, optional
+        The global position of each batch this rank evaluates, in order; None when
+        the loader tells each one as it yields it (:meth:`before` with its position).
+    total : callable
+        How many batches one process evaluates in the stage, asked at its end
+        (None: unknown, the rank's own count stays).
+
+    Example
+    -------
+    >>> brain = type("Brain", (), {"step": 0})()
+    >>> steps = OneProcessSteps(brain, [1, 2, 5], total=lambda: 7)  # this rank's batches
+    >>> seen = []
+    >>> for _ in range(3):
+    ...     brain.step += 1  # SpeechBrain's loop, right before the batch
+    ...     seen.append(brain.step)
+    ...     steps.before()  # after the batch: the next one's
+    >>> seen
+    [2, 3, 6]
+    >>> steps.at_test_end(); brain.step  # what evaluate() leaves for TEST's on_stage_end
+    7
+    """
+
+    def __init__(self, brain: Any, positions: Optional[Sequence[int]], total: Callable[[], Optional[int]]) -> None:
+        self.brain, self.start, self.total = brain, brain.step, total
+        self._positions: Iterator[int] = iter(positions or ())
+        self.before()
+
+    def before(self, position: Optional[int] = None) -> None:
+        """Before this rank's next batch, at global ``position`` (default: the next
+        of ``positions``; none left: the step stays as the loop leaves it)."""
+        position = next(self._positions, None) if position is None else position
+        if position is not None:
+            self.brain.step = self.start + position
+
+    def at_test_end(self) -> None:
+        """The count one process's ``evaluate`` leaves for TEST's ``on_stage_end``."""
+        total = self.total()
+        if total is not None:
+            self.brain.step = self.start + total
+
+
+def _torch_states() -> List[torch.Tensor]:
+    """torch's default generators: the CPU one, and CUDA's once CUDA is in use."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+def _other_states() -> Dict[str, int]:
+    """A checksum of Python's and NumPy's global generators' states (read once a stage: about 50 us)."""
+    found = {PYTHON: hash(random.getstate())}
+    if numpy is not None:
+        _, keys, position, *rest = numpy.random.get_state()
+        found[NUMPY] = zlib.crc32(keys.tobytes(), position) ^ hash(tuple(rest))
+    return found
+
+
+class RandomDraws:
+    """Which global random generators this rank's batches drew from: torch's per
+    batch (from when the batch was handed over, for a stream, or from the end of
+    the previous one, its loading included, as a map-style loader loads only this
+    rank's batches), Python's ``random`` and NumPy's over the stage. Draws in
+    DataLoader workers (their own generators) are not seen.
+
+    Example
+    -------
+    >>> draws = RandomDraws()
+    >>> draws.reading()
+    >>> _ = torch.rand(2)  # a batch draws
+    >>> draws.after_batch()
+    >>> draws.after_batch()  # a batch that draws nothing
+    >>> draws.finish()
+    ['torch.random']
+    """
+
+    def __init__(self) -> None:
+        self.drew: set = set()
+        self._torch: Optional[List[torch.Tensor]] = None
+        self._others: Optional[Dict[str, int]] = None
+
+    def reading(self) -> None:
+        """The loader starts reading the stage's batches (after the draw of its iterator's seed)."""
+        self._torch, self._others = _torch_states(), _other_states()
+
+    def handing(self) -> None:
+        """A stream hands a batch over: what it read until now, one process read too."""
+        self._torch = _torch_states()
+
+    def after_batch(self) -> None:
+        if self._torch is None:
+            return
+        now = _torch_states()
+        if len(now) != len(self._torch) or not all(map(torch.equal, now, self._torch)):
+            self.drew.add(TORCH)
+        self._torch = now
+
+    def finish(self) -> List[str]:
+        """The generators batches drew from (Python's and NumPy's read now)."""
+        if self._others is not None:
+            now = _other_states()
+            self.drew.update(name for name, state in now.items() if self._others.get(name) != state)
+            self._others = None
+        return sorted(self.drew)
+
+
+class LoopWatch:
+    """Both, for one sharded stage: attached to its loader at stage start, told of
+    each batch by :meth:`after_batch`, detached by :meth:`stop`."""
+
+    def __init__(self, brain: Any, loader: Any, plan: Any) -> None:
+        self.loader, self.draws = loader, RandomDraws()
+        self.whole = is_stream(loader) and loader.split == "batches"  # a stream every rank reads whole
+        if not is_stream(loader):  # a planned loader: every position known now
+            self.steps = OneProcessSteps(brain, global_batch_ids(loader), lambda: len(plan))
+        else:  # a stream tells each as it yields it; split by dataset, it has no one-process order
+            self.steps = OneProcessSteps(brain, None, lambda: len(loader.ledger) if self.whole else None)
+        listen(loader, self)
+
+    def reading(self) -> None:
+        self.draws.reading()
+
+    def handing(self, position: int) -> None:
+        if self.whole:
+            self.steps.before(position)
+        self.draws.handing()
+
+    def after_batch(self) -> None:
+        self.steps.before()
+        self.draws.after_batch()
+
+    def stop(self) -> None:
+        listen(self.loader, None)
