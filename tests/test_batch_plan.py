@@ -8,12 +8,24 @@ across ranks is a loud error on every rank, naming the first batch that differs.
 """
 
 import math
+import types
 from collections import Counter
 
 import pytest
-from torch.utils.data import BatchSampler, SequentialSampler
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from ddp_eval.stage.sharding import BatchLedger, BatchPlan, ShardedBatchSampler, first_difference
+from ddp_eval.stage._loop import LoopWatch
+from ddp_eval.stage.sharding import (
+    BatchLedger,
+    BatchPlan,
+    ShardedBatchSampler,
+    ShardedStreamLoader,
+    first_difference,
+    new_plan,
+)
 from tests import samplers
 from tests.mp_harness import results, run_ranks
 
@@ -183,3 +195,45 @@ def test_plan_and_ledger_keep_batches_and_name_the_first_difference():
         shorter.add([f"u{i}" for i in batch])
     assert first_difference([plan.ledger.crcs, shorter.crcs]) == 2  # one rank ran out of batches
     assert first_difference([plan.ledger.crcs, plan.ledger.crcs, shorter.crcs]) == 2
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.fast
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(n_items=st.integers(0, 25), batch_size=st.integers(1, 4), world_size=st.integers(1, 8),
+       start=st.integers(0, 3), done=st.sets(st.integers(0, 12), max_size=4), stream=st.booleans())
+def test_every_batch_sees_one_process_s_step_at_any_world_size(n_items, batch_size, world_size, start, done,
+                                                               stream):
+    """Invariant: on every rank, in each batch, ``self.step`` (SpeechBrain's loop adds 1
+    right before the batch) is one process's there, start + global position + 1, and
+    ``evaluate`` leaves one process's count; for planned loaders and streams read whole,
+    a journal's batches taken out (resumed), world sizes 1-8 (ranks with no batch)."""
+    dataset = _Stream(n_items) if stream else list(range(n_items))
+    n_batches = -(-n_items // batch_size)
+    done = {d for d in done if d < n_batches}
+    seen = {}
+    for rank in range(world_size):
+        brain = types.SimpleNamespace(step=start)
+        if stream:
+            loader = ShardedStreamLoader(DataLoader(dataset, batch_size=batch_size), "batches", rank, world_size)
+        else:
+            batches = BatchSampler(SequentialSampler(dataset), batch_size, drop_last=False)
+            loader = DataLoader(dataset, batch_sampler=ShardedBatchSampler(batches, rank, world_size))
+        plan = new_plan(loader)
+        (loader if stream else loader.batch_sampler).skip(done)  # a journal's batches (resumed)
+        watch = LoopWatch(brain, loader, plan)
+        for batch in loader:  # SpeechBrain's loop
+            brain.step += 1
+            seen[int(batch[0]) // batch_size] = brain.step
+            watch.after_batch()
+        watch.stop()
+        watch.steps.at_test_end()
+        assert brain.step == start + n_batches
+    assert seen == {p: start + p + 1 for p in range(n_batches) if p not in done}
