@@ -6,7 +6,6 @@ from contextlib import contextmanager
 from typing import Any, Dict, Optional
 
 import speechbrain as sb
-import torch
 from speechbrain.dataio.dataloader import LoopedLoader
 from torch.utils.data import DataLoader
 
@@ -83,6 +82,11 @@ class DDPEvalMixin:
         # calling super(), so the stage's bookkeeping wraps the bound methods.
         self.on_stage_start = self._ddp_wrap_stage_start(self.on_stage_start)
         self.on_stage_end = self._ddp_wrap_stage_end(self.on_stage_end)
+        # The one per-batch hook of every Brain loop, wrapped on the instance too: recipes override
+        # update_average (e.g. to average a dict of losses) without super(); an override is replayed at the merge.
+        own = self.update_average
+        self._ddp_own_average = None if type(self).update_average is sb.Brain.update_average else own
+        self.update_average = self._ddp_wrap_update_average(own)
 
     # -- Brain overrides ---------------------------------------------------
 
@@ -161,12 +165,6 @@ class DDPEvalMixin:
             if any(p.requires_grad for p in module.parameters()) and not fsdp.is_sharded(module):
                 fsdp.shard_module(module, options.shard_modules, options.reshard_after_forward,
                                   options.mixed_precision, options.cpu_offload)
-
-    def update_average(self, loss: torch.Tensor, avg_loss: float) -> float:
-        """Records the batch for the merge: the one per-batch hook of every Brain loop."""
-        if self._ddp_stage is not None:
-            self._ddp_stage.after_batch(loss)
-        return super().update_average(loss, avg_loss)
 
     # -- internals ---------------------------------------------------------
 
@@ -249,6 +247,15 @@ class DDPEvalMixin:
 
         on_stage_end.__doc__ = user_on_stage_end.__doc__
         return on_stage_end
+
+    def _ddp_wrap_update_average(self, user_update_average):
+        def update_average(loss, avg_loss):
+            if self._ddp_stage is not None:  # records the batch for the merge
+                self._ddp_stage.after_batch(loss)
+            return user_update_average(loss, avg_loss)
+
+        update_average.__doc__ = user_update_average.__doc__
+        return update_average
 
     def _ddp_train_loss(self, stage_loss: float) -> float:
         """The TRAIN loss averaged over every rank's batches (collective)."""

@@ -54,6 +54,8 @@ rank, returning what ``on_stage_end`` saw.
   NumPy's global generators (as wav2vec2's and BEST-RQ's losses): named;
   ``seeded_draws``: drawn from a generator seeded by the batch's ids, and from torch's
   seeded by ``self.step`` inside ``fork_rng``: exact.
+* ``own_average``: a recipe's own ``update_average`` without ``super()``, averaging a
+  dict of losses (``OwnAverageBrain``).
 * ``c_reads`` (issue 37): a running summary of an accumulator of the recipe's own,
   written per batch by ``json.dumps`` of what its method hands back, by a helper given
   it with a second parameter (also ahead of a spread tuple), by ``json.dumps`` held in
@@ -97,7 +99,7 @@ from tests.mp_harness import ddp_eval_messages
 
 PATTERNS = ("last_values", "containers", "arrays", "loaders", "files", "modules", "ordinary_code", "idioms",
             "unmergeable_code", "training_only", "outside_reads", "held_outside", "c_reads", "steps", "random_draws",
-            "seeded_draws")
+            "seeded_draws", "own_average")
 
 
 def bleu_stats():
@@ -275,6 +277,8 @@ class PatternBrain(toy.ToyBrain):
 
     def on_stage_end(self, stage, stage_loss, epoch=None):
         record = {"stage": stage.name, "loss": stage_loss, "epoch": epoch}
+        if isinstance(stage_loss, dict):  # own_average: the total is what the checkpoint keeps
+            stage_loss = stage_loss["loss"]
         if stage != sb.Stage.TRAIN:
             record.update(getattr(self, f"_end_{self.pattern}")(stage, stage_loss, epoch))
         if stage == sb.Stage.VALID:
@@ -412,6 +416,17 @@ class PatternBrain(toy.ToyBrain):
             self.noise += float(torch.rand(1))
 
     _end_seeded_draws = _end_random_draws
+
+    # -- own_average: the recipe's own update_average (OwnAverageBrain) ----------------------
+
+    def _start_own_average(self, stage):
+        self.n_batches = 0
+
+    def _batch_own_average(self, logits, labels, loss, batch, stage):
+        self.n_batches += 1
+
+    def _end_own_average(self, stage, stage_loss, epoch):
+        return {"n_batches": self.n_batches}
 
     # -- steps: SpeechBrain's batch count read by a batch --------------------------------
 
@@ -671,6 +686,35 @@ class DDPPatternBrain(ddp_eval.DDPEvalMixin, PatternBrain):
     """The same recipes, converted."""
 
 
+class OwnAverageBrain(PatternBrain):
+    """``own_average``: a recipe's own ``update_average``, without ``super()`` for its
+    VALID/TEST losses, a dict of two averaged key by key (as TTS and separation
+    recipes average their losses); the checkpoint meta keeps the total."""
+
+    def evaluate_batch(self, batch, stage):
+        loss = super().evaluate_batch(batch, stage)
+        return {"loss": loss, "half": loss / 2}
+
+    def update_average(self, loss, avg_loss):
+        if not isinstance(loss, dict):  # TRAIN
+            return super().update_average(loss, avg_loss)
+        if avg_loss == 0:
+            avg_loss = dict.fromkeys(loss, 0.0)
+        return {key: avg_loss[key] - avg_loss[key] / self.step + float(value) / self.step
+                for key, value in loss.items()}
+
+
+class DDPOwnAverageBrain(ddp_eval.DDPEvalMixin, OwnAverageBrain):
+    """The same recipe, converted."""
+
+
+def brain_class(pattern, converted=True):
+    """The Brain a pattern's recipe uses, plain or converted."""
+    if pattern == "own_average":
+        return DDPOwnAverageBrain if converted else OwnAverageBrain
+    return DDPPatternBrain if converted else PatternBrain
+
+
 def build(brain_cls, ckpt_dir, pattern, opts=None, checkpointer_cls=ddp_eval.Checkpointer, run_opts=None):
     brain = toy.build(brain_cls, ckpt_dir, ddp_eval_opts=opts, checkpointer_cls=checkpointer_cls)
     brain.pattern = pattern
@@ -728,8 +772,8 @@ def run(brain, pattern, n_test=4, fit=True):
 
 def single_process(ckpt_dir, pattern, run_opts=None, n_test=4):
     """Plain SpeechBrain in one process: the reference."""
-    brain = build(PatternBrain, ckpt_dir, pattern, checkpointer_cls=sb.utils.checkpoints.Checkpointer,
-                  run_opts=run_opts)
+    brain = build(brain_class(pattern, converted=False), ckpt_dir, pattern,
+                  checkpointer_cls=sb.utils.checkpoints.Checkpointer, run_opts=run_opts)
     return run(brain, pattern, n_test)
 
 
@@ -737,7 +781,7 @@ def interrupted_worker(rank, world_size, directory, pattern, fit, interrupt_afte
     """One rank of a converted recipe whose TEST stops after ``interrupt_after``
     batches on this rank (first run), or runs to the end (``None``: resumed)."""
     torch.manual_seed(0)
-    brain = build(DDPPatternBrain, directory, pattern, {"resume_eval_every_s": 0})
+    brain = build(brain_class(pattern), directory, pattern, {"resume_eval_every_s": 0})
     brain.interrupt_after = interrupt_after
     return run(brain, pattern, n_test, fit)
 
@@ -749,7 +793,7 @@ def ranks_worker(rank, world_size, directory, patterns, opts=None, run_opts=None
     for pattern in patterns:
         torch.manual_seed(0)
         with ddp_eval_messages() as warnings:
-            out = run(build(DDPPatternBrain, os.path.join(directory, pattern), pattern, opts, run_opts=run_opts),
+            out = run(build(brain_class(pattern), os.path.join(directory, pattern), pattern, opts, run_opts=run_opts),
                       pattern)
         results[pattern] = {**out, "warnings": warnings}
     return results

@@ -218,7 +218,22 @@ def test_draws_from_the_global_random_generators_are_named_and_draws_seeded_by_t
     assert all(out["seeded_draws"]["warnings"] == [] for out in outs)
 
 
-@pytest.mark.parametrize("pattern", ["files", "last_values", "steps"])
+def test_a_recipe_s_own_update_average_gives_one_process_s_stage_loss(ranks, references):
+    """A recipe whose update_average (without super()) averages a dict of losses: every
+    batch still reaches ddp_eval, and the stage loss on_stage_end sees and evaluate()
+    returns is one process's, bit for bit, also on a rank with no TEST batch (was 0.0
+    on every rank, with no warning: the per-batch hook never ran)."""
+    world_size, outs = ranks
+    want = references["own_average"]
+    assert isinstance(want["test_loss"], dict) and want["test_loss"]["loss"] > 0
+    for out in outs:
+        got = out["own_average"]
+        assert got["test_loss"] == want["test_loss"]
+        assert_records_equal(evaluation_records(got), evaluation_records(want))
+        assert got["warnings"] == []
+
+
+@pytest.mark.parametrize("pattern", ["files", "last_values", "steps", "own_average"])
 def test_a_resumed_stage_keeps_what_its_journal_holds(pattern, tmp_path):
     """TEST (9 utterances, 5 batches) interrupted after one batch per rank at 2
     ranks, resumed at 3: the per-batch file and the last batch's values equal one
@@ -233,7 +248,11 @@ def test_a_resumed_stage_keeps_what_its_journal_holds(pattern, tmp_path):
     for out in resumed:
         test = evaluation_records(out)[-1]
         expected = evaluation_records(want)[-1]
-        assert test["stage"] == "TEST" and math.isclose(test["loss"], expected["loss"], rel_tol=1e-9)
+        assert test["stage"] == "TEST"
+        if pattern == "own_average":  # the recipe's own average, replayed over every batch: bit for bit
+            assert test["loss"] == expected["loss"]
+        else:
+            assert math.isclose(test["loss"], expected["loss"], rel_tol=1e-9)
         # main_acc: main-process-only, named (above); stats: its VALID entry is not
         # checkpointed (HiFi-GAN's neither), and a restart trains no more epochs
         for key in set(expected) - {"loss", "main_acc", "stats"}:

@@ -163,8 +163,7 @@ class ShardedStage:
 
     def after_batch(self, loss: Any) -> None:
         """Notes the batch's loss and what it changed; journals when due."""
-        finite = bool(torch.isfinite(torch.as_tensor(loss)))  # SpeechBrain's average skips the others
-        self.losses.append(float(loss) if finite else None)
+        self.losses.append(noted_loss(loss, getattr(self.brain, "_ddp_own_average", None) is not None))
         batch = self.metrics.batches
         self.book.observe()
         self.outputs.after_batch(batch)
@@ -246,7 +245,9 @@ class ShardedStage:
         gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
         states = [pickle.loads(state) for state, _ in gathered]
         pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
-        loss = running_average([pair for state in states for pair in state[2]])
+        pairs, own = [pair for state in states for pair in state[2]], getattr(self.brain, "_ddp_own_average", None)
+        loss = running_average(pairs) if own is None else replayed_average(pairs, self.brain, own,
+                                                                           self.loop.steps.start)
         merged = merge_stage([s[0] for s in states] + [(p[0], p[1]) for p in pieces], per_rank)
         # after the last collective: a failure on this rank alone meets the others at on_stage_end's exchange
         self.book.apply(merged, report.layouts, report.winners, [pickle.loads(w) for _, w in gathered],
@@ -337,6 +338,51 @@ def running_average(losses: List[Tuple[int, Optional[float]]]) -> float:
         if loss is not None:
             average -= average / step
             average += loss / step
+    return average
+
+
+def noted_loss(loss: Any, raw: bool) -> Any:
+    """What the merge keeps of a batch's loss: SpeechBrain's average, a float (None
+    if not finite); a recipe's own ``update_average`` (``raw``), the loss as the loop
+    gave it, its tensors detached, on the CPU (a dict of losses stays a dict).
+
+    Example
+    -------
+    >>> noted_loss(torch.tensor(2.0), raw=False), noted_loss(torch.tensor(float("nan")), raw=False)
+    (2.0, None)
+    >>> noted_loss({"mse": torch.tensor(1.5, requires_grad=True)}, raw=True)
+    {'mse': tensor(1.5000)}
+    """
+    if raw:
+        if isinstance(loss, torch.Tensor):
+            return loss.detach().cpu()
+        if isinstance(loss, (dict, list, tuple)):
+            items = [noted_loss(x, raw) for x in (loss.values() if isinstance(loss, dict) else loss)]
+            return dict(zip(loss, items)) if isinstance(loss, dict) else type(loss)(items)
+        return loss
+    return float(loss) if bool(torch.isfinite(torch.as_tensor(loss))) else None
+
+
+def replayed_average(losses: List[Tuple[int, Any]], brain: Any, update: Any, start: int = 0) -> Any:
+    """A recipe's own ``update_average`` replayed over every batch's loss of the stage,
+    ``(global position, loss)``, in one process's order, ``brain.step`` one process's at
+    each (put back after): what one process computes with it.
+
+    Example
+    -------
+    >>> brain = type("Brain", (), {"step": 0})()
+    >>> def mean_of_max(loss, avg):  # a recipe's own average, of the larger of two losses
+    ...     return avg + (max(loss) - avg) / brain.step
+    >>> replayed_average([(1, (2.0, 4.0)), (0, (1.0, 0.0))], brain, mean_of_max)
+    2.5
+    """
+    step, average = brain.step, 0.0
+    try:
+        for count, (_, loss) in enumerate(sorted(losses, key=lambda pair: pair[0]), start=1):
+            brain.step = start + count
+            average = update(loss, average)
+    finally:
+        brain.step = step
     return average
 
 

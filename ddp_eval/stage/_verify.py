@@ -171,7 +171,9 @@ class StageVerifier:
             for batch in batches:
                 brain.step += 1
                 loss = brain.evaluate_batch(batch, stage=stage)
-                if torch.isfinite(torch.as_tensor(loss)):  # as sb.Brain.update_average
+                if getattr(brain, "_ddp_own_average", None) is not None:  # the recipe's own update_average
+                    avg_loss = brain._ddp_own_average(loss, avg_loss)
+                elif torch.isfinite(torch.as_tensor(loss)):  # as sb.Brain.update_average
                     avg_loss -= avg_loss / brain.step
                     avg_loss += float(loss) / brain.step
             result = {name: getattr(brain, name, None) for name in self.start}

@@ -51,7 +51,7 @@ def is_training_machinery(value: Any) -> bool:
                                               "torch.amp"))
 
 
-_MIXIN_NAMES = frozenset({"on_stage_start", "on_stage_end", "ddp_eval_config"})  # the mixin's own
+_MIXIN_NAMES = frozenset({"on_stage_start", "on_stage_end", "update_average", "ddp_eval_config"})  # the mixin's
 
 
 def recipe_names(brain: Any) -> set:
