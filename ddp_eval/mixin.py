@@ -14,7 +14,7 @@ from ddp_eval.checkpointing.checkpoint import share_debug_folder, writer_only_sa
 from ddp_eval.config import DDPEvalConfig
 from ddp_eval.distributed import fsdp
 from ddp_eval.errors import ConfigError
-from ddp_eval.stage import JOURNAL_DIRNAME, ShardedStage, check_states_agree, state_summaries
+from ddp_eval.stage import JOURNAL_DIRNAME, ShardedStage, check_states_agree, global_train_loss, state_summaries
 from ddp_eval.stage.sharding import is_sharded, shard_dataloader
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class DDPEvalMixin:
             if sharded is not None:
                 stage_loss = self._ddp_global_loss[stage] = sharded.finish(stage_loss)
             elif stage == sb.Stage.TRAIN:
-                stage_loss = self._ddp_train_loss(stage_loss)
+                stage_loss = global_train_loss(stage_loss, self.step)  # every rank's batches
             check = self.ddp_eval_config.check_consistency
 
             def run_user_hook():
@@ -256,14 +256,6 @@ class DDPEvalMixin:
 
         update_average.__doc__ = user_update_average.__doc__
         return update_average
-
-    def _ddp_train_loss(self, stage_loss: float) -> float:
-        """The TRAIN loss averaged over every rank's batches (collective)."""
-        if dist.get_world_size() == 1:
-            return stage_loss
-        dist.decide("TRAIN stage end")
-        total, count = dist.all_reduce_sum([stage_loss * self.step, self.step])
-        return total / count if count else stage_loss
 
     def _ddp_recoverables(self):
         return getattr(self.checkpointer, "recoverables", {}) if self.checkpointer else {}

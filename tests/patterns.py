@@ -687,17 +687,19 @@ class DDPPatternBrain(ddp_eval.DDPEvalMixin, PatternBrain):
 
 
 class OwnAverageBrain(PatternBrain):
-    """``own_average``: a recipe's own ``update_average``, without ``super()`` for its
-    VALID/TEST losses, a dict of two averaged key by key (as TTS and separation
-    recipes average their losses); the checkpoint meta keeps the total."""
+    """``own_average``: a recipe's own ``update_average``, without ``super()``: its
+    losses, a dict of two, averaged key by key (as TTS and separation recipes average
+    theirs), in every stage; the checkpoint meta keeps the total."""
+
+    def fit_batch(self, batch):
+        loss = super().fit_batch(batch)
+        return {"loss": loss, "half": loss / 2}
 
     def evaluate_batch(self, batch, stage):
         loss = super().evaluate_batch(batch, stage)
         return {"loss": loss, "half": loss / 2}
 
     def update_average(self, loss, avg_loss):
-        if not isinstance(loss, dict):  # TRAIN
-            return super().update_average(loss, avg_loss)
         if avg_loss == 0:
             avg_loss = dict.fromkeys(loss, 0.0)
         return {key: avg_loss[key] - avg_loss[key] / self.step + float(value) / self.step

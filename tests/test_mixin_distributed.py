@@ -1,5 +1,6 @@
 """DDPEvalMixin on real gloo process groups, compared with one process."""
 
+import math
 from collections import Counter
 
 import pytest
@@ -161,3 +162,26 @@ def test_batchnorm_trained_under_ddp_then_ranks_without_a_batch(world_size, tmp_
     # 3 ranks: rank 2 has no VALID batch, then a TEST batch; 5 ranks: idle in both
     assert idle_valid == list(range(2, world_size))
     assert idle_test == ([] if world_size == 3 else [4])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_train_loss_is_averaged_over_every_rank_s_batches_a_dict_of_losses_too(world_size):
+    """A recipe's own update_average may average a dict of TRAIN losses: each entry is
+    averaged over every rank's batches, as a number is (a dict used to stop the stage
+    with a TypeError); ranks whose dicts hold other keys raise the same error on every rank."""
+    steps = [3, 5, 1][:world_size]
+    numbers = [1.0, 2.0, 4.0][:world_size]
+    dicts = [{"mse": 0.5 + rank, "total": 2.0 * (rank + 1)} for rank in range(world_size)]
+    want = {key: sum(d[key] * s for d, s in zip(dicts, steps)) / sum(steps) for key in ("mse", "total")}
+    for losses, expected in ((numbers, sum(n * s for n, s in zip(numbers, steps)) / sum(steps)), (dicts, want)):
+        for out in results(run_ranks(workers.train_losses, world_size, losses, steps, timeout=60)):
+            got = out["loss"]
+            assert type(got) is type(expected)
+            if isinstance(expected, dict):
+                assert got.keys() == expected.keys() and all(math.isclose(got[k], expected[k]) for k in expected)
+            else:
+                assert math.isclose(got, expected)
+    odd = dicts[:1] + [{"mse": 1.0}] + dicts[2:]
+    errors = [out["error"] for out in results(run_ranks(workers.train_losses, world_size, odd, steps, timeout=60))]
+    assert len(set(errors)) == 1 and "rank 1: ['mse']" in errors[0] and "rank 0: ['mse', 'total']" in errors[0]

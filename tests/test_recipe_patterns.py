@@ -222,10 +222,13 @@ def test_a_recipe_s_own_update_average_gives_one_process_s_stage_loss(ranks, ref
     """A recipe whose update_average (without super()) averages a dict of losses: every
     batch still reaches ddp_eval, and the stage loss on_stage_end sees and evaluate()
     returns is one process's, bit for bit, also on a rank with no TEST batch (was 0.0
-    on every rank, with no warning: the per-batch hook never ran)."""
+    on every rank, with no warning: the per-batch hook never ran); its TRAIN dict is
+    averaged over every rank's batches, the same on every rank (was a TypeError)."""
     world_size, outs = ranks
     want = references["own_average"]
     assert isinstance(want["test_loss"], dict) and want["test_loss"]["loss"] > 0
+    train = [[r["loss"] for r in out["own_average"]["log"] if r["stage"] == "TRAIN"] for out in outs]
+    assert all(t == train[0] and isinstance(t[-1], dict) and t[-1].keys() == {"loss", "half"} for t in train)
     for out in outs:
         got = out["own_average"]
         assert got["test_loss"] == want["test_loss"]

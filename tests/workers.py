@@ -573,3 +573,12 @@ def running_accuracy(rank, world_size, ckpt_dir, ddp_eval_opts, recipe="RunningA
     """``RunningAccuracy`` (or ``HeldProgress``) converted: its log and the warnings
     this rank logged."""
     return _converted_accumulating(globals()[recipe], ckpt_dir, ddp_eval_opts)
+
+
+def train_losses(rank, world_size, losses, steps):
+    """What ``on_stage_end(TRAIN)`` gets on this rank, whose loop averaged ``losses[rank]``
+    over ``steps[rank]`` batches: the loss, or the error raised."""
+    try:
+        return {"loss": ddp_eval.stage.global_train_loss(losses[rank], steps[rank])}
+    except ddp_eval.DDPEvalError as error:
+        return {"error": str(error)}

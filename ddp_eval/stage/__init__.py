@@ -12,6 +12,8 @@ writes its pieces atomically), :mod:`ddp_eval.distributed`, :mod:`ddp_eval.confi
 
 from ddp_eval.stage._consistency import check_states_agree, state_summaries
 from ddp_eval.stage._journal import JOURNAL_DIRNAME, describe_journals
+from ddp_eval.stage._loop import global_train_loss
 from ddp_eval.stage._sharded import ShardedStage
 
-__all__ = ["ShardedStage", "check_states_agree", "state_summaries", "JOURNAL_DIRNAME", "describe_journals"]
+__all__ = ["ShardedStage", "check_states_agree", "state_summaries", "JOURNAL_DIRNAME", "describe_journals",
+           "global_train_loss"]

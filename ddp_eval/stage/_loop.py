@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from ddp_eval import distributed as dist
+from ddp_eval.errors import ConfigError
 from ddp_eval.stage.sharding import global_batch_ids, is_stream, listen
 
 try:
@@ -172,3 +174,33 @@ class LoopWatch:
 
     def stop(self) -> None:
         listen(self.loader, None)
+
+
+def global_train_loss(stage_loss: Any, step: int) -> Any:
+    """The TRAIN loss SpeechBrain's loop hands ``on_stage_end``, averaged over every
+    rank's batches (collective; sums and counts, not averages): a number, or each
+    entry of a dict of them (a recipe's own ``update_average``). Ranks whose dicts
+    hold other keys raise the same error on every rank, before any reduction.
+
+    Example
+    -------
+    >>> global_train_loss(1.5, step=4), global_train_loss({"mse": 0.5, "total": 2.0}, step=3)  # one process
+    (1.5, {'mse': 0.5, 'total': 2.0})
+    """
+    if dist.get_world_size() == 1:
+        return stage_loss
+    keys = sorted(stage_loss) if isinstance(stage_loss, dict) else None
+
+    def local():  # the values, read here: a failure to read one is raised on every rank
+        return keys, [float(stage_loss[k]) for k in keys] if keys is not None else [float(stage_loss)]
+
+    per_rank = dist.decide("TRAIN stage end", local)
+    if any(rank_keys != keys for rank_keys, _ in per_rank):
+        raise ConfigError("ddp_eval: the TRAIN stage loss is a dict whose keys differ across ranks (" + "; ".join(
+            f"rank {rank}: {rank_keys}" for rank, (rank_keys, _) in enumerate(per_rank)) + "), so it cannot be "
+            "averaged over them. Expected the same keys on every rank: give every batch's loss dict the same keys.")
+    *totals, count = dist.all_reduce_sum([value * step for value in per_rank[dist.get_rank()][1]] + [step])
+    if not count:
+        return stage_loss
+    averages = [total / count for total in totals]
+    return dict(zip(keys, averages)) if keys is not None else averages[0]
