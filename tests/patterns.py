@@ -819,7 +819,7 @@ def verify_worker(rank, world_size, directory, pattern, mode):
     torch.manual_seed(0)
     with ddp_eval_messages(logging.INFO) as messages:
         try:
-            out = run(build(DDPPatternBrain, os.path.join(directory, pattern), pattern,
+            out = run(build(brain_class(pattern), os.path.join(directory, pattern), pattern,
                             {"verify": mode, "collective_timeout": 60}), pattern)
         except ddp_eval.DDPEvalError as error:  # verify: strict, during fit's VALID
             out = {"error": type(error).__name__, "message": str(error)}

@@ -137,3 +137,15 @@ def test_verify_does_not_change_training(tmp_path):
     verified = results(run_ranks(workers.cyclic_scheduler_recipe, 2, str(tmp_path / "on"), "every", timeout=240))
     assert verified == plain
     assert len({count for _, _, count in plain[0]}) > 3  # the scheduler did step, stage after stage
+
+
+def test_a_recipe_s_own_update_average_verifies_clean(tmp_path):
+    """The reference pass averages the stage loss as the recipe does (its own
+    update_average over a dict of losses, own_average), so an exact run verifies clean."""
+    want = patterns.single_process(tmp_path / "single", "own_average")
+    outs = results(run_ranks(patterns.verify_worker, 2, str(tmp_path / "ranks"), "own_average", "first",
+                             timeout=240))
+    for out in outs:
+        assert out["test_loss"] == want["test_loss"]
+    said = outs[0]["verification"]
+    assert len(said) == 2 and all("verified" in m and "values equal one process" in m for m in said), said

@@ -12,11 +12,15 @@ negatives, noise: wav2vec2's and BEST-RQ's losses) draws, on a rank, from anothe
 state than one process at that batch, which has drawn for every earlier batch: what
 it computes from the draws may differ, and no merge can tell. :class:`RandomDraws`
 notes which generators this rank's batches drew from, to be named at stage end.
+
+The loss the loop averages (:func:`stage_loss`: SpeechBrain's running average, or a
+recipe's own ``update_average`` replayed) and the TRAIN loss it hands
+``on_stage_end`` (:func:`global_train_loss`) are one process's, or every rank's.
 """
 
 import random
 import zlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,6 +84,84 @@ class OneProcessSteps:
         total = self.total()
         if total is not None:
             self.brain.step = self.start + total
+
+
+def running_average(losses: List[Tuple[int, Optional[float]]]) -> float:
+    """SpeechBrain's stage loss (``Brain.update_average``) over every batch of the
+    stage, ``(global position, loss or None if not finite)``, replayed in one
+    process's order: bit for bit what one process computes (a sum over a count
+    differs in the last bits).
+
+    Example
+    -------
+    >>> running_average([(1, 2.0), (0, 1.0), (2, None)])  # the third batch counts as a step, as in SpeechBrain
+    1.5
+    """
+    average = 0.0
+    for step, (_, loss) in enumerate(sorted(losses, key=lambda pair: pair[0]), start=1):
+        if loss is not None:
+            average -= average / step
+            average += loss / step
+    return average
+
+
+def noted_loss(loss: Any, brain: Any) -> Any:
+    """What the merge keeps of a batch's loss: for SpeechBrain's average, a float (None
+    if not finite); for a recipe's own ``update_average``, the loss as the loop gave
+    it, its tensors detached, on the CPU (a dict of losses stays a dict).
+
+    Example
+    -------
+    >>> plain = type("Brain", (), {})()  # SpeechBrain's update_average
+    >>> noted_loss(torch.tensor(2.0), plain), noted_loss(torch.tensor(float("nan")), plain)
+    (2.0, None)
+    >>> own = type("Brain", (), {"_ddp_own_average": print})()  # a recipe's own
+    >>> noted_loss({"mse": torch.tensor(1.5, requires_grad=True)}, own)
+    {'mse': tensor(1.5000)}
+    """
+    if getattr(brain, "_ddp_own_average", None) is None:
+        return float(loss) if bool(torch.isfinite(torch.as_tensor(loss))) else None
+    return _detached(loss)
+
+
+def _detached(loss: Any) -> Any:
+    if isinstance(loss, torch.Tensor):
+        return loss.detach().cpu()
+    if isinstance(loss, (dict, list, tuple)):
+        items = [_detached(x) for x in (loss.values() if isinstance(loss, dict) else loss)]
+        return dict(zip(loss, items)) if isinstance(loss, dict) else type(loss)(items)
+    return loss
+
+
+def stage_loss(losses: List[Tuple[int, Any]], brain: Any, start: int = 0) -> Any:
+    """The stage loss one process computes from every batch's noted loss,
+    ``(global position, loss)``: SpeechBrain's running average, or the recipe's own
+    ``update_average`` replayed (``start``: ``brain.step`` at stage start)."""
+    own = getattr(brain, "_ddp_own_average", None)
+    return running_average(losses) if own is None else replayed_average(losses, brain, own, start)
+
+
+def replayed_average(losses: List[Tuple[int, Any]], brain: Any, update: Any, start: int = 0) -> Any:
+    """A recipe's own ``update_average`` replayed over every batch's loss of the stage,
+    ``(global position, loss)``, in one process's order, ``brain.step`` one process's at
+    each (put back after): what one process computes with it.
+
+    Example
+    -------
+    >>> brain = type("Brain", (), {"step": 0})()
+    >>> def mean_of_max(loss, avg):  # a recipe's own average, of the larger of two losses
+    ...     return avg + (max(loss) - avg) / brain.step
+    >>> replayed_average([(1, (2.0, 4.0)), (0, (1.0, 0.0))], brain, mean_of_max)
+    2.5
+    """
+    step, average = brain.step, 0.0
+    try:
+        for count, (_, loss) in enumerate(sorted(losses, key=lambda pair: pair[0]), start=1):
+            brain.step = start + count
+            average = update(loss, average)
+    finally:
+        brain.step = step
+    return average
 
 
 def _torch_states() -> List[torch.Tensor]:
@@ -189,12 +271,13 @@ def global_train_loss(stage_loss: Any, step: int) -> Any:
     """
     if dist.get_world_size() == 1:
         return stage_loss
-    keys = sorted(stage_loss) if isinstance(stage_loss, dict) else None
 
-    def local():  # the values, read here: a failure to read one is raised on every rank
+    def local():  # the keys and values, read here: a failure to read them is raised on every rank
+        keys = sorted(stage_loss) if isinstance(stage_loss, dict) else None
         return keys, [float(stage_loss[k]) for k in keys] if keys is not None else [float(stage_loss)]
 
     per_rank = dist.decide("TRAIN stage end", local)
+    keys = per_rank[dist.get_rank()][0]
     if any(rank_keys != keys for rank_keys, _ in per_rank):
         raise ConfigError("ddp_eval: the TRAIN stage loss is a dict whose keys differ across ranks (" + "; ".join(
             f"rank {rank}: {rank_keys}" for rank, (rank_keys, _) in enumerate(per_rank)) + "), so it cannot be "

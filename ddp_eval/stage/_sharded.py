@@ -35,7 +35,7 @@ from ddp_eval import sb_compat
 from ddp_eval.distributed import fsdp
 from ddp_eval.errors import VerificationError
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
-from ddp_eval.stage._loop import LoopWatch
+from ddp_eval.stage._loop import LoopWatch, noted_loss, stage_loss
 from ddp_eval.stage._model import ModuleUse, ddp_wrapped, model_modules, module_states
 from ddp_eval.stage._report import StageReport
 from ddp_eval.stage._resume import StageResume, model_of
@@ -163,7 +163,7 @@ class ShardedStage:
 
     def after_batch(self, loss: Any) -> None:
         """Notes the batch's loss and what it changed; journals when due."""
-        self.losses.append(noted_loss(loss, getattr(self.brain, "_ddp_own_average", None) is not None))
+        self.losses.append(noted_loss(loss, self.brain))
         batch = self.metrics.batches
         self.book.observe()
         self.outputs.after_batch(batch)
@@ -245,9 +245,7 @@ class ShardedStage:
         gathered = dist.all_gather_bytes(collected["packed"], pickle.dumps(won))  # the state is not copied again
         states = [pickle.loads(state) for state, _ in gathered]
         pieces = [piece for *_, old in states for piece in old]  # rank 0 sent them
-        pairs, own = [pair for state in states for pair in state[2]], getattr(self.brain, "_ddp_own_average", None)
-        loss = running_average(pairs) if own is None else replayed_average(pairs, self.brain, own,
-                                                                           self.loop.steps.start)
+        loss = stage_loss([pair for state in states for pair in state[2]], self.brain, self.loop.steps.start)
         merged = merge_stage([s[0] for s in states] + [(p[0], p[1]) for p in pieces], per_rank)
         # after the last collective: a failure on this rank alone meets the others at on_stage_end's exchange
         self.book.apply(merged, report.layouts, report.winners, [pickle.loads(w) for _, w in gathered],
@@ -320,70 +318,6 @@ class ShardedStage:
 def _stream_read(loader: Any) -> Optional[Tuple[int, str]]:
     """A stream read whole on every rank: ``(batches, digest)`` of what it read."""
     return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
-
-
-def running_average(losses: List[Tuple[int, Optional[float]]]) -> float:
-    """SpeechBrain's stage loss (``Brain.update_average``) over every batch of the
-    stage, ``(global position, loss or None if not finite)``, replayed in one
-    process's order: bit for bit what one process computes (a sum over a count
-    differs in the last bits).
-
-    Example
-    -------
-    >>> running_average([(1, 2.0), (0, 1.0), (2, None)])  # the third batch counts as a step, as in SpeechBrain
-    1.5
-    """
-    average = 0.0
-    for step, (_, loss) in enumerate(sorted(losses, key=lambda pair: pair[0]), start=1):
-        if loss is not None:
-            average -= average / step
-            average += loss / step
-    return average
-
-
-def noted_loss(loss: Any, raw: bool) -> Any:
-    """What the merge keeps of a batch's loss: SpeechBrain's average, a float (None
-    if not finite); a recipe's own ``update_average`` (``raw``), the loss as the loop
-    gave it, its tensors detached, on the CPU (a dict of losses stays a dict).
-
-    Example
-    -------
-    >>> noted_loss(torch.tensor(2.0), raw=False), noted_loss(torch.tensor(float("nan")), raw=False)
-    (2.0, None)
-    >>> noted_loss({"mse": torch.tensor(1.5, requires_grad=True)}, raw=True)
-    {'mse': tensor(1.5000)}
-    """
-    if raw:
-        if isinstance(loss, torch.Tensor):
-            return loss.detach().cpu()
-        if isinstance(loss, (dict, list, tuple)):
-            items = [noted_loss(x, raw) for x in (loss.values() if isinstance(loss, dict) else loss)]
-            return dict(zip(loss, items)) if isinstance(loss, dict) else type(loss)(items)
-        return loss
-    return float(loss) if bool(torch.isfinite(torch.as_tensor(loss))) else None
-
-
-def replayed_average(losses: List[Tuple[int, Any]], brain: Any, update: Any, start: int = 0) -> Any:
-    """A recipe's own ``update_average`` replayed over every batch's loss of the stage,
-    ``(global position, loss)``, in one process's order, ``brain.step`` one process's at
-    each (put back after): what one process computes with it.
-
-    Example
-    -------
-    >>> brain = type("Brain", (), {"step": 0})()
-    >>> def mean_of_max(loss, avg):  # a recipe's own average, of the larger of two losses
-    ...     return avg + (max(loss) - avg) / brain.step
-    >>> replayed_average([(1, (2.0, 4.0)), (0, (1.0, 0.0))], brain, mean_of_max)
-    2.5
-    """
-    step, average = brain.step, 0.0
-    try:
-        for count, (_, loss) in enumerate(sorted(losses, key=lambda pair: pair[0]), start=1):
-            brain.step = start + count
-            average = update(loss, average)
-    finally:
-        brain.step = step
-    return average
 
 
 def recipe_globals(brain: Any) -> Dict[str, int]:

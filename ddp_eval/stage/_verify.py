@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ddp_eval.stage._loop import noted_loss, stage_loss
 from ddp_eval.state import compared_captured_state, is_array, numpy, recipe_names
 
 MODES = ("off", "first", "every", "strict")
@@ -167,15 +168,11 @@ class StageVerifier:
         for name, value in self.start.items():
             setattr(brain, name, value)
         try:
-            brain.step, avg_loss = 0, 0.0
+            brain.step, losses = 0, []
             for batch in batches:
                 brain.step += 1
-                loss = brain.evaluate_batch(batch, stage=stage)
-                if getattr(brain, "_ddp_own_average", None) is not None:  # the recipe's own update_average
-                    avg_loss = brain._ddp_own_average(loss, avg_loss)
-                elif torch.isfinite(torch.as_tensor(loss)):  # as sb.Brain.update_average
-                    avg_loss -= avg_loss / brain.step
-                    avg_loss += float(loss) / brain.step
+                losses.append((brain.step, noted_loss(brain.evaluate_batch(batch, stage=stage), brain)))
+            avg_loss = stage_loss(losses, brain)
             result = {name: getattr(brain, name, None) for name in self.start}
         finally:
             for name, value in held.items():
@@ -263,6 +260,23 @@ class OutsideState:
                 group.update(saved)
 
 
+def _losses_agree(loss: Any, reference: Any) -> bool:
+    """Equal to 1e-9 relative: a number, or each entry of a dict of numbers (a
+    recipe's own ``update_average``); anything else, equal.
+
+    Example
+    -------
+    >>> _losses_agree(1.0, 1.0 + 1e-12), _losses_agree({"a": 1.0}, {"a": 1.1}), _losses_agree({"a": 1.0}, {})
+    (True, False, False)
+    """
+    if isinstance(loss, dict) and isinstance(reference, dict):
+        return loss.keys() == reference.keys() and all(_losses_agree(loss[k], reference[k]) for k in loss)
+    try:
+        return loss == reference or abs(loss - reference) <= 1e-9 * max(abs(loss), abs(reference))
+    except TypeError:
+        return False
+
+
 def compare(loss: float, reference_loss: float, merged: Dict[str, Any], reference: Dict[str, Any]
             ) -> Tuple[int, List[Tuple[str, str, str]], Dict[str, str]]:
     """``(number of values compared, differences, {path: why not compared})``: the loss
@@ -270,7 +284,7 @@ def compare(loss: float, reference_loss: float, merged: Dict[str, Any], referenc
     re-evaluation on a GPU need not repeat its forwards' last bits), every
     attribute, and each metric object's ``summarize()``."""
     differences, count, uncompared = [], 1, []
-    if not (abs(loss - reference_loss) <= 1e-9 * max(abs(loss), abs(reference_loss)) or loss == reference_loss):
+    if not _losses_agree(loss, reference_loss):
         differences.append(("stage_loss", repr(loss), repr(reference_loss)))
     for name, want in reference.items():
         count += 1
