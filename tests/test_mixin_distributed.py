@@ -185,3 +185,28 @@ def test_the_train_loss_is_averaged_over_every_rank_s_batches_a_dict_of_losses_t
     odd = dicts[:1] + [{"mse": 1.0}] + dicts[2:]
     errors = [out["error"] for out in results(run_ranks(workers.train_losses, world_size, odd, steps, timeout=60))]
     assert len(set(errors)) == 1 and "rank 1: ['mse']" in errors[0] and "rank 0: ['mse', 'total']" in errors[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hooks_a_recipe_assigns_after_init_are_wrapped_or_their_gap_is_an_error(world_size, tmp_path):
+    """A recipe that assigns ``self.update_average`` (the worst batch loss) or wraps
+    ``on_stage_end`` on the instance after the Brain was made, or assigns
+    ``update_average`` in ``on_evaluate_start``: every batch still reaches ddp_eval, and
+    the stage losses, metrics and accumulators equal one process's (the batches went
+    unobserved, the loss 0.0 on every rank, with no error). Replaced where ddp_eval
+    cannot wrap it (``on_stage_start`` in ``on_evaluate_start``, ``update_average`` in a
+    batch): the same error on every rank, naming what to do."""
+    for where in ("script", "on_evaluate_start"):
+        want = workers.assigned_hooks(0, 0, str(tmp_path / f"single_{where}"), where)
+        losses = [r["loss"] for r in want["log"]]
+        assert want["test_loss"] == losses[-1] > 0 and losses[0] == losses[1] != losses[-1]  # VALID twice, lr 0
+        for out in results(run_ranks(workers.assigned_hooks, world_size, str(tmp_path / where), where,
+                                     timeout=120)):
+            assert out == want, where
+    assert want["ends"] == [] and workers.assigned_hooks(0, 0, str(tmp_path / "ends"), "script")["ends"] == [
+        "TRAIN", "VALID", "TRAIN", "VALID", "TEST"]
+    for where, expected in (("on_stage_start_late", "ddp_eval's on_stage_start did not run"),
+                            ("in_a_batch", "update_average called 0 time(s)")):
+        errors = [out["error"] for out in results(run_ranks(workers.assigned_hooks, world_size,
+                                                               str(tmp_path / where), where, timeout=120))]
+        assert len(set(errors)) == 1 and expected in errors[0] and "before fit() or evaluate()" in errors[0], where

@@ -582,3 +582,60 @@ def train_losses(rank, world_size, losses, steps):
         return {"loss": ddp_eval.stage.global_train_loss(losses[rank], steps[rank])}
     except ddp_eval.DDPEvalError as error:
         return {"error": str(error)}
+
+
+def _worst_batch_loss(brain, loss, avg_loss):
+    """An ``update_average`` of a recipe's own: the worst batch loss of the stage."""
+    return max(float(avg_loss), float(loss)) if brain.step > 1 else float(loss)
+
+
+class AssignedHooks(toy.AccumulatingBrain):
+    """A recipe that assigns its hooks on the instance after the Brain was made:
+    ``where`` says when (``script``: between ``__init__`` and ``fit``, its
+    ``on_stage_end`` wrapping the one in place; ``on_evaluate_start``: an
+    ``update_average`` for TEST only; ``on_stage_start_late``: an ``on_stage_start``
+    replaced in ``on_evaluate_start``; ``in_a_batch``: an ``update_average``
+    assigned by TEST's first batch)."""
+
+    where = None
+
+    def on_evaluate_start(self, max_key=None, min_key=None):
+        super().on_evaluate_start(max_key, min_key)
+        if self.where == "on_evaluate_start":
+            self.update_average = functools.partial(_worst_batch_loss, self)
+        if self.where == "on_stage_start_late":
+            self.on_stage_start = functools.partial(toy.AccumulatingBrain.on_stage_start, self)
+
+    def compute_objectives(self, logits, batch, stage):
+        if self.where == "in_a_batch" and stage == sb.Stage.TEST and "update_average" in vars(self):
+            self.update_average = functools.partial(_worst_batch_loss, self)
+        return super().compute_objectives(logits, batch, stage)
+
+
+class DDPAssignedHooks(ddp_eval.DDPEvalMixin, AssignedHooks):
+    """The same recipe, converted."""
+
+
+def assigned_hooks(rank, world_size, directory, where):
+    """``AssignedHooks`` (plain in one process, ``world_size`` 0): fit, then TEST;
+    its log, the stage ends its own ``on_stage_end`` saw, or the error raised."""
+    cls = DDPAssignedHooks if world_size else AssignedHooks
+    brain = toy.build(cls, directory,
+                      checkpointer_cls=ddp_eval.Checkpointer if world_size else sb.utils.checkpoints.Checkpointer)
+    brain.where, brain.ends = where, []
+    if where == "script":
+        brain.update_average = functools.partial(_worst_batch_loss, brain)
+        in_place = brain.on_stage_end
+
+        def on_stage_end(stage, stage_loss, epoch=None):
+            brain.ends.append(stage.name)
+            return in_place(stage, stage_loss, epoch)
+
+        brain.on_stage_end = on_stage_end
+    try:
+        brain.fit(brain.hparams.counter, toy.make_dataset(8, 0), toy.make_dataset(23, 1),
+                  train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
+        test_loss = brain.evaluate(toy.make_dataset(9, 2, "tst"), test_loader_kwargs={"batch_size": 2})
+    except ddp_eval.DDPEvalError as error:
+        return {"error": str(error)}
+    return {"log": brain.log, "test_loss": test_loss, "ends": brain.ends}

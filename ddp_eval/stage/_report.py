@@ -54,6 +54,17 @@ class StageReport:
         """Names attributes that changed in ways no merge can follow, and state
         outside the Brain that changed (modules named by :meth:`warn_effects` left out)."""
         name = self.stage.lower()
+        unobserved = {rank: r["observed"] for rank, r in enumerate(self.per_rank)
+                      if r.get("observed", (0, 0))[0] != r["observed"][1]}
+        if unobserved:
+            raise ConfigError(
+                f"ddp_eval: in the sharded {self.stage} stage, the Brain's update_average, where ddp_eval notes "
+                "each batch, was not called once per batch the loader handed out, so what the batches did cannot "
+                "be merged: " + "; ".join(f"rank {rank}: {handed} batch(es) handed out, update_average called "
+                                           f"{called} time(s)" for rank, (handed, called) in unobserved.items())
+                + ". Expected SpeechBrain's loop (fit, evaluate), which calls self.update_average(loss, avg) once "
+                "after each batch. A loop of the recipe's own must do the same; a replacement of update_average "
+                f"must be assigned before fit() or evaluate(), where ddp_eval wraps it; or set shard_{name}: false.")
         messages = []
         found = _first_seen([r.get("unmergeable", {}) for r in self.per_rank])
         if found:

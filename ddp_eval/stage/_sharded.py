@@ -271,7 +271,7 @@ class ShardedStage:
         notes = self.resume.old_notes() if self.resume is not None else []
         drew = [generator for generator in self.loop.draws.finish() if generator not in excluded]
         return {**with_journal_notes(record.report, notes), "outside": outside, "random": drew,
-                "stream": _stream_read(self.loader),
+                "stream": _stream_read(self.loader), "observed": (len(positions), len(self.losses)),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
                 "modules": (self.modules, module_states(self.brain), self.used_modules),
                 "appends": list(self.appends.paths)}
