@@ -57,7 +57,7 @@ class DDPEvalConfig:
         Brain attributes never merged (they stay rank-local, without warning);
         also paths outside the Brain, and the global random generators
         (``torch.random``, ``random``, ``numpy.random``) whose draws in
-        evaluation batches are then not named.
+        evaluation batches (DataLoader workers' too) are then not named.
     on_unmergeable_attribute : str
         What to do when an attribute changed during a sharded stage in a way
         that cannot be merged (e.g. replaced by a new object): ``"warn"``

@@ -79,7 +79,7 @@ class DDPEvalMixin:
         self._ddp_stage: Optional[ShardedStage] = None  # the sharded VALID/TEST stage under way
         self._ddp_global_loss: Dict[Any, float] = {}
         self._ddp_own_average: Any = None  # the recipe's own update_average, replayed at the merge
-        self._ddp_hooks_in_place()
+        _wrap_hooks(self)
 
     # -- Brain overrides ---------------------------------------------------
 
@@ -103,7 +103,7 @@ class DDPEvalMixin:
         """SpeechBrain's ``fit``, with a loader the recipe built for VALID sharded too;
         a failure on one rank is raised on every rank, and rank 0 returns once
         every rank has read the last control answer."""
-        self._ddp_hooks_in_place()
+        _wrap_hooks(self)
         valid_set = self._ddp_loaders[sb.Stage.VALID] = self._ddp_shard_ready(valid_set, sb.Stage.VALID)
         try:
             with dist.fail_together("fit"), self._ddp_abandon_on_error():
@@ -116,7 +116,7 @@ class DDPEvalMixin:
         returns the global TEST loss on every rank. A failure on one rank is
         raised on every rank, and rank 0 returns once every rank has read the
         last control answer."""
-        self._ddp_hooks_in_place()
+        _wrap_hooks(self)
         test_set = self._ddp_loaders[sb.Stage.TEST] = self._ddp_shard_ready(test_set, sb.Stage.TEST)
         self._ddp_global_loss.pop(sb.Stage.TEST, None)
         try:
@@ -203,35 +203,12 @@ class DDPEvalMixin:
         folder = getattr(self.checkpointer, "checkpoints_dir", None) if self.checkpointer else None
         return None if folder is None else pathlib.Path(folder) / JOURNAL_DIRNAME
 
-    def _ddp_hooks_in_place(self) -> None:
-        """Wraps the instance's stage hooks and per-batch hook, also one the recipe
-        assigned after ``__init__`` (``self.update_average = f``): recipes override them
-        without ``super()``, so the bookkeeping wraps the bound methods. Run at
-        ``__init__``, ``fit``, ``evaluate`` and each stage start."""
-        for name, wrap in (("on_stage_start", self._ddp_wrap_stage_start),
-                           ("on_stage_end", self._ddp_wrap_stage_end),
-                           ("update_average", self._ddp_wrap_update_average)):
-            hook = getattr(self, name)
-            if getattr(hook, "_ddp_brain", None) is self:
-                continue
-            if name == "update_average":  # SpeechBrain's own needs no replay: the merge has its formula
-                self._ddp_own_average = None if getattr(hook, "__func__", None) is sb.Brain.update_average else hook
-            wrapper = wrap(hook)
-            wrapper.__doc__, wrapper._ddp_brain = hook.__doc__, self
-            setattr(self, name, wrapper)
-
-    def _ddp_current(self, name: str, wrapper: Any) -> bool:
-        """Whether ``wrapper`` does the bookkeeping: not when another of ours is in place (a
-        replacement the recipe made of it, calling it, was wrapped: that wrapper does it)."""
-        in_place = vars(self).get(name)
-        return in_place is wrapper or getattr(in_place, "_ddp_brain", None) is not self
-
     def _ddp_wrap_stage_start(self, user_on_stage_start):
         def on_stage_start(stage, epoch=None):
             user_on_stage_start(stage, epoch)
-            if not self._ddp_current("on_stage_start", on_stage_start):
+            if not _bookkeeps(self, "on_stage_start", on_stage_start):
                 return
-            self._ddp_hooks_in_place()  # one the recipe assigned since (in on_fit_start, on_stage_start)
+            _wrap_hooks(self)  # one the recipe assigned since (in on_fit_start, on_stage_start)
             loader = self._ddp_loaders.get(stage)
             self._ddp_stage = None
             if stage != sb.Stage.TRAIN and is_sharded(loader):
@@ -242,7 +219,7 @@ class DDPEvalMixin:
 
     def _ddp_wrap_stage_end(self, user_on_stage_end):
         def on_stage_end(stage, stage_loss, epoch=None):
-            if not self._ddp_current("on_stage_end", on_stage_end):
+            if not _bookkeeps(self, "on_stage_end", on_stage_end):
                 return user_on_stage_end(stage, stage_loss, epoch)
             sharded = self._ddp_stage  # a nested evaluate() in on_stage_end replaces it
             if sharded is not None:
@@ -250,12 +227,7 @@ class DDPEvalMixin:
             elif stage == sb.Stage.TRAIN:
                 stage_loss = global_train_loss(stage_loss, self.step)  # every rank's batches
             elif dist.get_world_size() > 1 and is_sharded(self._ddp_loaders.get(stage)):
-                raise ConfigError(
-                    f"ddp_eval: the sharded {stage.name} stage ended, but ddp_eval's on_stage_start did not run "
-                    "for it (the Brain's on_stage_start was replaced after fit() or evaluate() began), so its "
-                    "batches were not merged: each rank holds only its own. Expected the Brain's on_stage_start "
-                    "as ddp_eval left it. Assign a replacement before fit() or evaluate() (ddp_eval wraps it "
-                    "there), not in on_fit_start or on_evaluate_start.")
+                raise _not_started(stage.name)
             check = self.ddp_eval_config.check_consistency
 
             def run_user_hook():
@@ -278,7 +250,7 @@ class DDPEvalMixin:
 
     def _ddp_wrap_update_average(self, user_update_average):
         def update_average(loss, avg_loss):
-            if self._ddp_stage is not None and self._ddp_current("update_average", update_average):
+            if self._ddp_stage is not None and _bookkeeps(self, "update_average", update_average):
                 self._ddp_stage.after_batch(loss)  # records the batch for the merge
             return user_update_average(loss, avg_loss)
 
@@ -286,3 +258,37 @@ class DDPEvalMixin:
 
     def _ddp_recoverables(self):
         return getattr(self.checkpointer, "recoverables", {}) if self.checkpointer else {}
+
+
+def _wrap_hooks(brain: DDPEvalMixin) -> None:
+    """Wraps the Brain's stage hooks and per-batch hook on the instance, also one the
+    recipe assigned after ``__init__`` (``self.update_average = f``): recipes override
+    them without ``super()``, so the bookkeeping wraps the bound methods. Run at
+    ``__init__``, ``fit``, ``evaluate`` and each stage start."""
+    for name, wrap in (("on_stage_start", brain._ddp_wrap_stage_start),
+                       ("on_stage_end", brain._ddp_wrap_stage_end),
+                       ("update_average", brain._ddp_wrap_update_average)):
+        hook = getattr(brain, name)
+        if getattr(hook, "_ddp_brain", None) is brain:
+            continue
+        if name == "update_average":  # SpeechBrain's own needs no replay: the merge has its formula
+            brain._ddp_own_average = None if getattr(hook, "__func__", None) is sb.Brain.update_average else hook
+        wrapper = wrap(hook)
+        wrapper.__doc__, wrapper._ddp_brain = hook.__doc__, brain
+        setattr(brain, name, wrapper)
+
+
+def _bookkeeps(brain: DDPEvalMixin, name: str, wrapper: Any) -> bool:
+    """Whether ``wrapper`` does the bookkeeping: not when another of ours is in place (a
+    replacement the recipe made of it, calling it, was wrapped: that wrapper does it)."""
+    in_place = vars(brain).get(name)
+    return in_place is wrapper or getattr(in_place, "_ddp_brain", None) is not brain
+
+
+def _not_started(stage: str) -> ConfigError:
+    return ConfigError(
+        f"ddp_eval: the sharded {stage} stage ended, but ddp_eval's on_stage_start did not run for it (the "
+        "Brain's on_stage_start was replaced after fit() or evaluate() began), so its batches were not merged: "
+        "each rank holds only its own. Expected the Brain's on_stage_start as ddp_eval left it. Assign a "
+        "replacement before fit() or evaluate() (ddp_eval wraps it there), not in on_fit_start or "
+        "on_evaluate_start.")

@@ -210,3 +210,22 @@ def test_hooks_a_recipe_assigns_after_init_are_wrapped_or_their_gap_is_an_error(
         errors = [out["error"] for out in results(run_ranks(workers.assigned_hooks, world_size,
                                                                str(tmp_path / where), where, timeout=120))]
         assert len(set(errors)) == 1 and expected in errors[0] and "before fit() or evaluate()" in errors[0], where
+
+
+def test_random_draws_in_dataloader_workers_are_named(tmp_path):
+    """A TEST loaded by two DataLoader workers per rank: a worker loads other batches on
+    a rank than in one process, so noise its collate_fn draws from torch's generator
+    differs (the loss too): named, as drawn in DataLoader workers (it was unseen), and
+    silenced by attributes_exclude; a draw from Python's ``random`` is named too; a
+    collate_fn that draws nothing: one process's loss, nothing named."""
+    cases = [("plain", ()), ("noisy_collate", ()), ("python_drawing_collate", ()), ("noisy_collate", ("torch.random",))]
+    single = workers.worker_draws(0, 0, str(tmp_path / "single"), cases[:2])
+    outs = results(run_ranks(workers.worker_draws, 2, str(tmp_path / "ranks"), cases, timeout=120, fresh=True))
+    plain, noisy, python, excluded = zip(*outs)
+    assert all(out["loss"] == single[0]["loss"] for out in plain) and plain[0]["warnings"] == []
+    assert all(out["loss"] != single[1]["loss"] for out in noisy)  # why it is named
+    named = [w for w in noisy[0]["warnings"] if "drew from the global random" in w]
+    assert len(named) == 1 and "torch.random in DataLoader workers (on rank(s) 0, 1)" in named[0]
+    named = [w for w in python[0]["warnings"] if "drew from the global random" in w]
+    assert len(named) == 1 and "random in DataLoader workers (on rank(s) 0, 1)" in named[0]
+    assert "torch.random in" not in named[0] and excluded[0]["warnings"] == []

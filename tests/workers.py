@@ -2,10 +2,13 @@
 
 import functools
 import os
+import random
 import sys
 import time
 
 import speechbrain as sb
+import torch
+from speechbrain.dataio.batch import PaddedBatch
 
 import ddp_eval
 from tests import toy
@@ -639,3 +642,34 @@ def assigned_hooks(rank, world_size, directory, where):
     except ddp_eval.DDPEvalError as error:
         return {"error": str(error)}
     return {"log": brain.log, "test_loss": test_loss, "ends": brain.ends}
+
+
+def noisy_collate(items):
+    """A collate_fn that draws noise from torch's global generator (in a DataLoader worker)."""
+    batch = PaddedBatch(items)
+    batch.x.data.add_(torch.rand(batch.x.data.shape))
+    return batch
+
+
+def python_drawing_collate(items):
+    """A collate_fn that draws from Python's ``random``, and changes nothing it returns."""
+    random.random()
+    return PaddedBatch(items)
+
+
+def worker_draws(rank, world_size, directory, cases):
+    """For each ``(collate, exclude)`` of ``cases``: TEST of 9 utterances at batch 2,
+    loaded by two DataLoader workers with ``collate`` (one process: plain SpeechBrain,
+    ``world_size`` 0), its loss and what ddp_eval warned."""
+    cls = toy.DDPToyBrain if world_size else toy.ToyBrain
+    found = []
+    for index, (collate, exclude) in enumerate(cases):
+        brain = toy.build(cls, os.path.join(directory, str(index)), ddp_eval_opts={"attributes_exclude": list(exclude)},
+                          checkpointer_cls=ddp_eval.Checkpointer if world_size else sb.utils.checkpoints.Checkpointer)
+        torch.manual_seed(7)  # the workers' seeds come from it
+        kwargs = {"batch_size": 2, "num_workers": 2, "collate_fn": globals().get(collate, PaddedBatch),
+                  "multiprocessing_context": "fork"}  # the toy set's pipeline is a local function
+        with ddp_eval_messages() as warnings:
+            loss = brain.evaluate(toy.make_dataset(9, 2, "tst"), test_loader_kwargs=kwargs)
+        found.append({"loss": loss, "warnings": warnings})
+    return found

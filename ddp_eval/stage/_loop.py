@@ -7,33 +7,22 @@ own batches only, so code that reads ``self.step`` in a batch (``if self.step <=
 5:`` keep a sample) or in TEST's ``on_stage_end`` would see another number than
 one process: :class:`OneProcessSteps` keeps it one process's.
 
-A batch that draws from the process's global random generators (masks, sampled
-negatives, noise: wav2vec2's and BEST-RQ's losses) draws, on a rank, from another
-state than one process at that batch, which has drawn for every earlier batch: what
-it computes from the draws may differ, and no merge can tell. :class:`RandomDraws`
-notes which generators this rank's batches drew from, to be named at stage end.
+Which global random generators its batches drew from is noted for the stage
+(:class:`~ddp_eval.stage._draws.RandomDraws`), to be named at stage end.
 
 The loss the loop averages (:func:`stage_loss`: SpeechBrain's running average, or a
 recipe's own ``update_average`` replayed) and the TRAIN loss it hands
 ``on_stage_end`` (:func:`global_train_loss`) are one process's, or every rank's.
 """
 
-import random
-import zlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ddp_eval import distributed as dist
 from ddp_eval.errors import ConfigError
+from ddp_eval.stage._draws import RandomDraws, WorkerDraws
 from ddp_eval.stage.sharding import global_batch_ids, is_stream, listen
-
-try:
-    import numpy
-except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-    numpy = None
-
-TORCH, PYTHON, NUMPY = "torch.random", "random", "numpy.random"  # as named, and as attributes_exclude takes them
 
 
 class OneProcessSteps:
@@ -164,77 +153,13 @@ def replayed_average(losses: List[Tuple[int, Any]], brain: Any, update: Any, sta
     return average
 
 
-def _torch_states() -> List[torch.Tensor]:
-    """torch's default generators: the CPU one, and CUDA's once CUDA is in use."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_initialized():
-        states += torch.cuda.get_rng_state_all()
-    return states
-
-
-def _other_states() -> Dict[str, int]:
-    """A checksum of Python's and NumPy's global generators' states (read once a stage: about 50 us)."""
-    found = {PYTHON: hash(random.getstate())}
-    if numpy is not None:
-        _, keys, position, *rest = numpy.random.get_state()
-        found[NUMPY] = zlib.crc32(keys.tobytes(), position) ^ hash(tuple(rest))
-    return found
-
-
-class RandomDraws:
-    """Which global random generators this rank's batches drew from: torch's per
-    batch (from when the batch was handed over, for a stream, or from the end of
-    the previous one, its loading included, as a map-style loader loads only this
-    rank's batches), Python's ``random`` and NumPy's over the stage. Draws in
-    DataLoader workers (their own generators) are not seen.
-
-    Example
-    -------
-    >>> draws = RandomDraws()
-    >>> draws.reading()
-    >>> _ = torch.rand(2)  # a batch draws
-    >>> draws.after_batch()
-    >>> draws.after_batch()  # a batch that draws nothing
-    >>> draws.finish()
-    ['torch.random']
-    """
-
-    def __init__(self) -> None:
-        self.drew: set = set()
-        self._torch: Optional[List[torch.Tensor]] = None
-        self._others: Optional[Dict[str, int]] = None
-
-    def reading(self) -> None:
-        """The loader starts reading the stage's batches (after the draw of its iterator's seed)."""
-        self._torch, self._others = _torch_states(), _other_states()
-
-    def handing(self) -> None:
-        """A stream hands a batch over: what it read until now, one process read too."""
-        self._torch = _torch_states()
-
-    def after_batch(self) -> None:
-        if self._torch is None:
-            return
-        now = _torch_states()
-        if len(now) != len(self._torch) or not all(map(torch.equal, now, self._torch)):
-            self.drew.add(TORCH)
-        self._torch = now
-
-    def finish(self) -> List[str]:
-        """The generators batches drew from (Python's and NumPy's read now)."""
-        if self._others is not None:
-            now = _other_states()
-            self.drew.update(name for name, state in now.items() if self._others.get(name) != state)
-            self._others = None
-        return sorted(self.drew)
-
-
 class LoopWatch:
     """Both, for one sharded stage: attached to its loader at stage start, told of
     each batch by :meth:`after_batch`, detached by :meth:`stop`."""
 
     def __init__(self, brain: Any, loader: Any, plan: Any) -> None:
-        self.loader, self.draws = loader, RandomDraws()
+        workers = getattr(loader, "collate_fn", None)
+        self.loader, self.draws = loader, RandomDraws(workers if isinstance(workers, WorkerDraws) else None)
         self.whole = is_stream(loader) and loader.split == "batches"  # a stream every rank reads whole
         if not is_stream(loader):  # a planned loader: every position known now
             self.steps = OneProcessSteps(brain, global_batch_ids(loader), lambda: len(plan))

@@ -97,7 +97,8 @@ class StageReport:
                 "generator(s) " + ", ".join(f"{g} (on rank(s) {', '.join(map(str, ranks))})" for g, ranks in
                                             drew.items()) +
                 ": on a rank a batch draws from another state than one process at that batch (which has drawn "
-                "for every earlier batch), so what it computed from the draws (masks, sampled negatives, noise: "
+                "for every earlier batch; a DataLoader worker loads other batches on a rank than in one process), "
+                "so what it computed from the draws (masks, sampled negatives, noise: "
                 "the stage loss, metrics) may differ from one process, and the generators' states after the stage "
                 "differ across ranks. Expected evaluation that draws nothing, or draws from a generator seeded by "
                 "the batch, which draws the same on any rank (torch.Generator().manual_seed(zlib.crc32(' '.join("

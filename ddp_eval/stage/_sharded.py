@@ -34,6 +34,7 @@ from ddp_eval import distributed as dist
 from ddp_eval import sb_compat
 from ddp_eval.distributed import fsdp
 from ddp_eval.errors import VerificationError
+from ddp_eval.stage._draws import IN_WORKERS
 from ddp_eval.stage._effects import AppendWatch, StageOutputs, write_outputs
 from ddp_eval.stage._loop import LoopWatch, noted_loss, stage_loss
 from ddp_eval.stage._model import ModuleUse, ddp_wrapped, model_modules, module_states
@@ -269,7 +270,8 @@ class ShardedStage:
         losses = list(zip(positions, self.losses)) + (self.resume.old_losses() if self.resume is not None else [])
         collected.update(packed=pickle.dumps((record.state, self.outputs.state(places), losses, old)), record=record)
         notes = self.resume.old_notes() if self.resume is not None else []
-        drew = [generator for generator in self.loop.draws.finish() if generator not in excluded]
+        drew = [generator for generator in self.loop.draws.finish()
+                if generator.replace(IN_WORKERS, "") not in excluded]
         return {**with_journal_notes(record.report, notes), "outside": outside, "random": drew,
                 "stream": _stream_read(self.loader), "observed": (len(positions), len(self.losses)),
                 "piece_last": [last_candidates(piece[1]) for piece in old],

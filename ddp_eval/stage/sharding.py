@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from ddp_eval import distributed as dist
 from ddp_eval.errors import BatchPlanError, ConfigError
+from ddp_eval.stage._draws import WorkerDraws
 
 
 def batch_owner(index: int, world_size: int) -> int:
@@ -440,5 +441,9 @@ def shard_dataloader(loader: DataLoader, split: str = "batches") -> DataLoader:
             "batch_sampler, or set shard_valid/shard_test: false."
         )
     names = getattr(loader.dataset, "data_ids", None)  # a DynamicItemDataset's utterance ids
+    options = _worker_options(loader)
+    if loader.num_workers > 0:  # workers load this rank's batches only: their random draws are noted
+        draws = WorkerDraws(loader.collate_fn, loader.worker_init_fn)
+        options.update(collate_fn=draws, worker_init_fn=draws.worker_init_fn)
     return DataLoader(loader.dataset, batch_sampler=ShardedBatchSampler(loader.batch_sampler, names=names),
-                      **_worker_options(loader))
+                      **options)
