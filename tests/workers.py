@@ -658,18 +658,22 @@ def python_drawing_collate(items):
 
 
 def worker_draws(rank, world_size, directory, cases):
-    """For each ``(collate, exclude)`` of ``cases``: TEST of 9 utterances at batch 2,
-    loaded by two DataLoader workers with ``collate`` (one process: plain SpeechBrain,
-    ``world_size`` 0), its loss and what ddp_eval warned."""
+    """For each ``(collate, exclude, stream)`` of ``cases``: TEST of 9 utterances at
+    batch 2, loaded by DataLoader workers with ``collate`` (two; a stream: one, its
+    utterances read whole on every rank) (one process: plain SpeechBrain, ``world_size``
+    0), its loss and what ddp_eval warned. ``stream`` "seeded apart": each rank's
+    generator, which seeds the workers, seeded by its rank."""
     cls = toy.DDPToyBrain if world_size else toy.ToyBrain
     found = []
-    for index, (collate, exclude) in enumerate(cases):
+    for index, (collate, exclude, stream) in enumerate(cases):
         brain = toy.build(cls, os.path.join(directory, str(index)), ddp_eval_opts={"attributes_exclude": list(exclude)},
                           checkpointer_cls=ddp_eval.Checkpointer if world_size else sb.utils.checkpoints.Checkpointer)
-        torch.manual_seed(7)  # the workers' seeds come from it
-        kwargs = {"batch_size": 2, "num_workers": 2, "collate_fn": globals().get(collate, PaddedBatch),
+        torch.manual_seed(7 + (rank if stream == "seeded apart" else 0))  # the workers' seeds come from it
+        kwargs = {"batch_size": 2, "num_workers": 1 if stream else 2,
+                  "collate_fn": globals().get(collate, PaddedBatch),
                   "multiprocessing_context": "fork"}  # the toy set's pipeline is a local function
+        data = toy.make_dataset(9, 2, "tst")
         with ddp_eval_messages() as warnings:
-            loss = brain.evaluate(toy.make_dataset(9, 2, "tst"), test_loader_kwargs=kwargs)
+            loss = brain.evaluate(toy.UtteranceStream(data) if stream else data, test_loader_kwargs=kwargs)
         found.append({"loss": loss, "warnings": warnings})
     return found

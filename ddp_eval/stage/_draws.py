@@ -94,29 +94,33 @@ class RandomDraws:
 
 
 class WorkerDraws:
-    """A sharded map-style loader's ``collate_fn`` and ``worker_init_fn`` when it
-    loads in DataLoader workers: in a worker, whether loading each batch (its items
-    and its collation: random crops, BEST-RQ's masks) drew from the worker's global
-    generators, told to the main process through shared memory. A worker loads other
-    batches on a rank than in one process, so such draws differ. Passes everything
-    through where it is called outside a worker.
+    """A sharded loader's ``collate_fn`` and ``worker_init_fn`` when it loads in
+    DataLoader workers: in a worker, whether loading each batch (its items and its
+    collation: random crops, BEST-RQ's masks) drew from the worker's global
+    generators, and the worker's seed, told to the main process through shared
+    memory. A map-style loader's worker loads other batches on a rank than in one
+    process, so such draws differ; a stream's workers load every batch on every rank,
+    as one process's do, from the seed the rank's generator gave them. Passes
+    everything through where it is called outside a worker.
 
     Example
     -------
-    >>> draws = WorkerDraws(sorted, None)
-    >>> draws([3, 1, 2]), draws.drew()  # the main process: passed through
-    ([1, 2, 3], [])
+    >>> draws = WorkerDraws(sorted, None, workers=2)
+    >>> draws([3, 1, 2]), draws.drew(), draws.seeds.tolist()  # the main process: passed through
+    ([1, 2, 3], [], [-1, -1])
     """
 
     GENERATORS = (TORCH, PYTHON, NUMPY)
 
-    def __init__(self, collate_fn: Callable, worker_init_fn: Optional[Callable]) -> None:
+    def __init__(self, collate_fn: Callable, worker_init_fn: Optional[Callable], workers: int) -> None:
         self.collate_fn, self.user_init = collate_fn, worker_init_fn
         self.flags = torch.zeros(len(self.GENERATORS), dtype=torch.uint8).share_memory_()
+        self.seeds = torch.full((workers,), -1, dtype=torch.int64).share_memory_()  # -1: not started
         self._seen: Optional[list] = None  # in a worker: its generators' states when it last looked
 
     def worker_init_fn(self, worker_id: int) -> None:
         """In the worker, after torch seeded its generators: the recipe's, then the states."""
+        self.seeds[worker_id] = torch.initial_seed() % 2**63
         if self.user_init is not None:
             self.user_init(worker_id)
         self._seen = _worker_states()
@@ -137,7 +141,7 @@ class WorkerDraws:
         self._seen = now
 
     def reset(self) -> None:
-        """A stage starts: nothing drawn yet (workers persist across stages)."""
+        """A stage starts: nothing drawn yet (persistent workers keep their seeds)."""
         self.flags.zero_()
 
     def drew(self) -> List[str]:

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from ddp_eval import distributed as dist
 from ddp_eval.errors import ConfigError
+from ddp_eval.stage._draws import IN_WORKERS
 from ddp_eval.stage._effects import main_only
 from ddp_eval.stage._model import differing_modules
 from ddp_eval.state.attribute_merge import last_writer
@@ -89,8 +90,11 @@ class StageReport:
                 "'class C.x'): keep it on the Brain instead (self.x, bound in on_stage_start); "
                 f"or set shard_{name}: false; or list the path "
                 "in ddp_eval: attributes_exclude if it is rank-local on purpose.")
-        drew = {generator: [rank for rank, r in enumerate(self.per_rank) if generator in r.get("random", ())]
-                for generator in sorted({g for r in self.per_rank for g in r.get("random", ())})}
+        seeds = [r.get("seeds") for r in self.per_rank]  # a stream's workers, seeded alike: one process's draws
+        alike = seeds[0] is not None and all(s == seeds[0] for s in seeds)
+        random = [[g for g in r.get("random", ()) if not (alike and g.endswith(IN_WORKERS))] for r in self.per_rank]
+        drew = {generator: [rank for rank, found in enumerate(random) if generator in found]
+                for generator in sorted({g for found in random for g in found})}
         if drew:
             messages.append(
                 f"ddp_eval: during the sharded {self.stage} stage, batches drew from the global random "

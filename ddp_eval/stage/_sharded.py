@@ -272,7 +272,9 @@ class ShardedStage:
         notes = self.resume.old_notes() if self.resume is not None else []
         drew = [generator for generator in self.loop.draws.finish()
                 if generator.replace(IN_WORKERS, "") not in excluded]
-        return {**with_journal_notes(record.report, notes), "outside": outside, "random": drew,
+        workers = self.loop.draws.workers  # a stream read whole: its workers' seeds tell whether they drew the same
+        seeds = workers.seeds.tolist() if workers is not None and self.loop.whole else None
+        return {**with_journal_notes(record.report, notes), "outside": outside, "random": drew, "seeds": seeds,
                 "stream": _stream_read(self.loader), "observed": (len(positions), len(self.losses)),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
                 "modules": (self.modules, module_states(self.brain), self.used_modules),

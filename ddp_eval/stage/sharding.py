@@ -399,9 +399,10 @@ def _worker_options(loader: DataLoader) -> dict:
                    worker_init_fn=loader.worker_init_fn,
                    multiprocessing_context=loader.multiprocessing_context,
                    generator=loader.generator)
-    if loader.num_workers > 0:
-        options.update(prefetch_factor=loader.prefetch_factor,
-                       persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:  # the workers' random draws are noted (ddp_eval.stage._draws)
+        draws = WorkerDraws(loader.collate_fn, loader.worker_init_fn, loader.num_workers)
+        options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                       collate_fn=draws, worker_init_fn=draws.worker_init_fn)
     return options
 
 
@@ -441,9 +442,5 @@ def shard_dataloader(loader: DataLoader, split: str = "batches") -> DataLoader:
             "batch_sampler, or set shard_valid/shard_test: false."
         )
     names = getattr(loader.dataset, "data_ids", None)  # a DynamicItemDataset's utterance ids
-    options = _worker_options(loader)
-    if loader.num_workers > 0:  # workers load this rank's batches only: their random draws are noted
-        draws = WorkerDraws(loader.collate_fn, loader.worker_init_fn)
-        options.update(collate_fn=draws, worker_init_fn=draws.worker_init_fn)
     return DataLoader(loader.dataset, batch_sampler=ShardedBatchSampler(loader.batch_sampler, names=names),
-                      **options)
+                      **_worker_options(loader))
