@@ -195,7 +195,8 @@ def test_hooks_a_recipe_assigns_after_init_are_wrapped_or_their_gap_is_an_error(
     the stage losses, metrics and accumulators equal one process's (the batches went
     unobserved, the loss 0.0 on every rank, with no error). Replaced where ddp_eval
     cannot wrap it (``on_stage_start`` in ``on_evaluate_start``, ``update_average`` in a
-    batch): the same error on every rank, naming what to do."""
+    batch): the same error on every rank, naming what to do. TEST has two batches: at 3
+    ranks, rank 2 evaluates none."""
     for where in ("script", "on_evaluate_start"):
         want = workers.assigned_hooks(0, 0, str(tmp_path / f"single_{where}"), where)
         losses = [r["loss"] for r in want["log"]]
@@ -213,18 +214,19 @@ def test_hooks_a_recipe_assigns_after_init_are_wrapped_or_their_gap_is_an_error(
 
 
 def test_random_draws_in_dataloader_workers_are_named(tmp_path):
-    """A TEST loaded by DataLoader workers: a map-style loader's worker loads other
-    batches on a rank than in one process, so noise its collate_fn draws from torch's
-    generator differs (the loss too): named, as drawn in DataLoader workers (it was
-    unseen), and silenced by attributes_exclude; a draw from Python's ``random`` is
-    named too; a collate_fn that draws nothing: one process's loss, nothing named. A
-    stream's worker reads every batch on every rank: seeded alike on every rank, it
-    draws as one process's (exact, nothing named); seeded apart, it is named."""
+    """A TEST of two batches at 3 ranks (rank 2 has none), loaded by DataLoader
+    workers: a map-style loader's worker loads other batches on a rank than in one
+    process, so noise its collate_fn draws from torch's generator differs (the loss
+    too): named, as drawn in DataLoader workers (it was unseen), and silenced by
+    attributes_exclude; a draw from Python's ``random`` is named too; a collate_fn
+    that draws nothing: one process's loss, nothing named. A stream's worker reads
+    every batch on every rank: seeded alike on every rank, it draws as one process's
+    (exact, nothing named); seeded apart, it is named."""
     cases = [("plain", (), None), ("noisy_collate", (), None), ("python_drawing_collate", (), None),
              ("noisy_collate", ("torch.random",), None), ("noisy_collate", (), "alike"),
              ("noisy_collate", (), "seeded apart")]
     single = workers.worker_draws(0, 0, str(tmp_path / "single"), cases[:2] + cases[4:5])
-    outs = results(run_ranks(workers.worker_draws, 2, str(tmp_path / "ranks"), cases, timeout=120, fresh=True))
+    outs = results(run_ranks(workers.worker_draws, 3, str(tmp_path / "ranks"), cases, timeout=120, fresh=True))
     plain, noisy, python, excluded, alike, apart = zip(*outs)
     assert all(out["loss"] == single[0]["loss"] for out in plain) and plain[0]["warnings"] == []
     assert all(out["loss"] != single[1]["loss"] for out in noisy)  # why it is named
@@ -236,5 +238,5 @@ def test_random_draws_in_dataloader_workers_are_named(tmp_path):
     assert single[2]["loss"] != single[0]["loss"]  # the stream's noise changes the loss
     assert all(out["loss"] == single[2]["loss"] for out in alike) and alike[0]["warnings"] == []
     named = [w for w in apart[0]["warnings"] if "drew from the global random" in w]
-    assert len(named) == 1 and "torch.random in DataLoader workers (on rank(s) 0, 1)" in named[0]
+    assert len(named) == 1 and "torch.random in DataLoader workers (on rank(s) 0, 1, 2)" in named[0]
     assert apart[0]["loss"] != single[2]["loss"]  # why it is named

@@ -638,7 +638,7 @@ def assigned_hooks(rank, world_size, directory, where):
     try:
         brain.fit(brain.hparams.counter, toy.make_dataset(8, 0), toy.make_dataset(23, 1),
                   train_loader_kwargs={"batch_size": 4}, valid_loader_kwargs={"batch_size": 3})
-        test_loss = brain.evaluate(toy.make_dataset(9, 2, "tst"), test_loader_kwargs={"batch_size": 2})
+        test_loss = brain.evaluate(toy.make_dataset(4, 2, "tst"), test_loader_kwargs={"batch_size": 2})  # 2 batches
     except ddp_eval.DDPEvalError as error:
         return {"error": str(error)}
     return {"log": brain.log, "test_loss": test_loss, "ends": brain.ends}
@@ -658,8 +658,8 @@ def python_drawing_collate(items):
 
 
 def worker_draws(rank, world_size, directory, cases):
-    """For each ``(collate, exclude, stream)`` of ``cases``: TEST of 9 utterances at
-    batch 2, loaded by DataLoader workers with ``collate`` (two; a stream: one, its
+    """For each ``(collate, exclude, stream)`` of ``cases``: TEST of 4 utterances at
+    batch 2 (at 3 ranks, rank 2 has no batch), loaded by DataLoader workers with ``collate`` (two; a stream: one, its
     utterances read whole on every rank) (one process: plain SpeechBrain, ``world_size``
     0), its loss and what ddp_eval warned. ``stream`` "seeded apart": each rank's
     generator, which seeds the workers, seeded by its rank."""
@@ -672,7 +672,7 @@ def worker_draws(rank, world_size, directory, cases):
         kwargs = {"batch_size": 2, "num_workers": 1 if stream else 2,
                   "collate_fn": globals().get(collate, PaddedBatch),
                   "multiprocessing_context": "fork"}  # the toy set's pipeline is a local function
-        data = toy.make_dataset(9, 2, "tst")
+        data = toy.make_dataset(4, 3, "tst")
         with ddp_eval_messages() as warnings:
             loss = brain.evaluate(toy.UtteranceStream(data) if stream else data, test_loader_kwargs=kwargs)
         found.append({"loss": loss, "warnings": warnings})

@@ -197,18 +197,18 @@ def global_train_loss(stage_loss: Any, step: int) -> Any:
     if dist.get_world_size() == 1:
         return stage_loss
 
-    def local():  # the keys and values, read here: a failure to read them is raised on every rank
+    def local():  # the keys, values and count, read here: a failure to read them is raised on every rank
         keys = sorted(stage_loss) if isinstance(stage_loss, dict) else None
-        return keys, [float(stage_loss[k]) for k in keys] if keys is not None else [float(stage_loss)]
+        return keys, [float(stage_loss[k]) for k in keys] if keys is not None else [float(stage_loss)], step
 
-    per_rank = dist.decide("TRAIN stage end", local)
+    per_rank = dist.decide("TRAIN stage end", local)  # every rank's sums and counts, in rank order on every rank
     keys = per_rank[dist.get_rank()][0]
-    if any(rank_keys != keys for rank_keys, _ in per_rank):
+    if any(rank_keys != keys for rank_keys, _, _ in per_rank):
         raise ConfigError("ddp_eval: the TRAIN stage loss is a dict whose keys differ across ranks (" + "; ".join(
-            f"rank {rank}: {rank_keys}" for rank, (rank_keys, _) in enumerate(per_rank)) + "), so it cannot be "
+            f"rank {rank}: {rank_keys}" for rank, (rank_keys, _, _) in enumerate(per_rank)) + "), so it cannot be "
             "averaged over them. Expected the same keys on every rank: give every batch's loss dict the same keys.")
-    *totals, count = dist.all_reduce_sum([value * step for value in per_rank[dist.get_rank()][1]] + [step])
+    count = sum(steps for _, _, steps in per_rank)
     if not count:
         return stage_loss
-    averages = [total / count for total in totals]
+    averages = [sum(values[i] * steps for _, values, steps in per_rank) / count for i in range(len(per_rank[0][1]))]
     return dict(zip(keys, averages)) if keys is not None else averages[0]

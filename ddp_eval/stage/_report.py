@@ -56,7 +56,7 @@ class StageReport:
         outside the Brain that changed (modules named by :meth:`warn_effects` left out)."""
         name = self.stage.lower()
         unobserved = {rank: r["observed"] for rank, r in enumerate(self.per_rank)
-                      if r.get("observed", (0, 0))[0] != r["observed"][1]}
+                      if r["observed"][0] != r["observed"][1]}
         if unobserved:
             raise ConfigError(
                 f"ddp_eval: in the sharded {self.stage} stage, the Brain's update_average, where ddp_eval notes "

@@ -275,7 +275,8 @@ class ShardedStage:
         workers = self.loop.draws.workers  # a stream read whole: its workers' seeds tell whether they drew the same
         seeds = workers.seeds.tolist() if workers is not None and self.loop.whole else None
         return {**with_journal_notes(record.report, notes), "outside": outside, "random": drew, "seeds": seeds,
-                "stream": _stream_read(self.loader), "observed": (len(positions), len(self.losses)),
+                "stream": self.loader.ledger.summary() if self.loop.whole else None,  # a stream read whole
+                "observed": (len(positions), len(self.losses)),
                 "piece_last": [last_candidates(piece[1]) for piece in old],
                 "modules": (self.modules, module_states(self.brain), self.used_modules),
                 "appends": list(self.appends.paths)}
@@ -317,11 +318,6 @@ class ShardedStage:
         """After ``on_stage_end`` ran on every rank: the journal is no longer needed."""
         if self.resume is not None:
             self.resume.close()
-
-
-def _stream_read(loader: Any) -> Optional[Tuple[int, str]]:
-    """A stream read whole on every rank: ``(batches, digest)`` of what it read."""
-    return loader.ledger.summary() if is_stream(loader) and loader.split == "batches" else None
 
 
 def recipe_globals(brain: Any) -> Dict[str, int]:
