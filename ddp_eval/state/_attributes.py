@@ -56,7 +56,7 @@ import torch
 from ddp_eval.errors import ConfigError
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint, unexplained
-from ddp_eval.state._numbers import PROBED_TYPES, plain, probe, probed
+from ddp_eval.state._numbers import PROBED_TYPES, plain, probe, probed, reusable
 from ddp_eval.state._probes import UNSET, replay, replays_to
 from ddp_eval.state._rebuilt import handed_back, make_probe
 from ddp_eval.state._recording import BatchNotes, RecordingIterator, recording_copy, restore, unmergeable_operations
@@ -178,6 +178,8 @@ class Slot(ProbeReadings, Bindings):
         self.told_set = False  # this batch's probe saw a new value bound, the old one unused
         self.data_read = False  # a batch read .data of it: a rebuilt value is replayed at any size
         self.watch = make_watch(self, self.start) if self.shared_from is None else SharingWatch(self, self.start)
+        self._probed_for, self._probed_answer = ABSENT, False  # probed(obj) of the object held (_probed)
+        self.spare: Optional[Tuple[Any, Any]] = None  # (value, its probe no batch used): placed again
 
     def fail(self, why: str) -> None:
         if self.why is None:
@@ -188,9 +190,26 @@ class Slot(ProbeReadings, Bindings):
         a tensor or an array); otherwise its identity tells whether a batch changed it."""
         if self.why is not None:  # named, left rank-local: a batch that reads it still reads a rank's value
             return type(self.obj) in PROBED_TYPES or type(self.obj) in _PROBED_ARRAYS
-        return ((self.hot and probed(self.obj)) or is_mutable(self.obj)
+        return ((self.hot and self._probed()) or is_mutable(self.obj)
                                      or isinstance(self.watch, (ObjectWatch, StreamWatch))
                                      or (type(self.obj) is tuple and not self.obj))  # an empty tuple's probe
+
+    def _probed(self) -> bool:
+        """``probed(self.obj)``, once per object held: a tuple's answer reads every entry (a tuple of 100k
+        labels would cost that every batch)."""
+        if self._probed_for is not self.obj:
+            self._probed_for, self._probed_answer = self.obj, probed(self.obj)
+        return self._probed_answer
+
+    def _spare_probe(self) -> Any:
+        """The probe the last batch left untouched, if it still stands for the value held (a tuple's or
+        a long string's probe copies it: remade every batch, its cost would grow with the value)."""
+        spare, self.spare = self.spare, None
+        if spare is None or spare[0] is not self.obj:
+            return None
+        held = spare[1]
+        del spare
+        return held if reusable(held) else None
 
     def before_batch(self) -> None:
         """Puts a probe in place of a number (or lets dict entries do so)."""
@@ -203,8 +222,9 @@ class Slot(ProbeReadings, Bindings):
             if self.probe is not None or self.rebuilt_probe is not None:
                 set_value(self.owner, self.name, self.rebuilt_probe if self.probe is None else self.probe)
             return
-        if probed(self.obj) and self.hot:
-            self.probe = probe(self.obj, self.label)
+        if self.hot and self._probed():
+            spare = self._spare_probe()
+            self.probe = probe(self.obj, self.label) if spare is None else spare  # no truth test: it is a read
             set_value(self.owner, self.name, self.probe)
         else:
             if not self._shared() and (type(self.obj) in _PROBED_CONTAINERS or (

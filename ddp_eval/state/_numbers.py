@@ -245,14 +245,14 @@ def _probe_class(base: type) -> type:
 
 IntProbe, FloatProbe, StrProbe, BytesProbe, TupleProbe = (_probe_class(kind) for kind in (*PROBED_TYPES, tuple))
 _CLASSES = {int: IntProbe, float: FloatProbe, str: StrProbe, bytes: BytesProbe, tuple: TupleProbe}
-_SCALARS = (int, float, bool, str, bytes, type(None))
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def probed(value: Any) -> bool:
     """Whether a probe stands in for ``value`` during a batch: an ``int``, ``float``,
     ``str`` or ``bytes``, or a tuple of them (``self.best = (score, utt_id)``)."""
-    return type(value) in PROBED_TYPES or (type(value) is tuple and bool(value) and all(
-        type(x) in _SCALARS for x in value))
+    return type(value) in PROBED_TYPES or (type(value) is tuple and bool(value) and _SCALARS.issuperset(
+        map(type, value)))
 
 
 def _base(value: Any) -> type:
@@ -276,6 +276,29 @@ def probe(value: Any, label: str = "") -> Any:
     if label:
         root._label = label
     return root
+
+
+_ROOT_FIELDS = frozenset({"_origin", "_label"})  # what a root probe holds until something uses it
+_SPARE_REFERENCES = 3  # sys.getrefcount of a probe held by one local name only (its _origin, the call's argument)
+
+
+def untouched(root: Any) -> bool:
+    """Whether nothing used root probe ``root`` (no read, no + or -): it may stand in
+    for the same value again.
+
+    Example
+    -------
+    >>> n = probe(3, "n")
+    >>> untouched(n), (n > 2, untouched(n))[1]
+    (True, False)
+    """
+    return root.__dict__.keys() <= _ROOT_FIELDS
+
+
+def reusable(root: Any) -> bool:
+    """:func:`untouched`, and held by no one but the caller's one name (a batch kept no
+    reference to it: ``cache.append(self.n)`` outside the Brain would see its next uses)."""
+    return untouched(root) and sys.getrefcount(root) <= _SPARE_REFERENCES + 1  # the caller's name, this argument
 
 
 def is_probe(value: Any) -> bool:
@@ -314,6 +337,8 @@ def unprobed(value: Any, found: List[str], depth: int = 4, handed: bool = False)
         label, kept = value._ddp_plain()
         found.append(label)
         return kept
+    if type(value) in (list, tuple) and PLAIN.issuperset(map(type, value)):  # ids + [utt]: entries in C speed
+        return value
     if isinstance(value, list):
         for index, item in enumerate(list(value)):
             kept = item if type(item) in PLAIN else unprobed(item, found, depth - 1, handed)

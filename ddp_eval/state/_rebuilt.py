@@ -34,6 +34,7 @@ Example
 """
 
 import copy
+import operator
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -672,7 +673,7 @@ def extends(old: Any, new: Any) -> Optional[Tuple[str, Any]]:
     empty ``old``, else None."""
     if type(new) is not type(old) or not isinstance(new, (list, tuple)) or len(new) < len(old):
         return None
-    if any(a is not b for a, b in zip(old, new)):
+    if not all(map(operator.is_, old, new)):
         return None
     return (Op.CONCAT if old else Op.CONCAT_OR_SET), new[len(old):]
 

@@ -17,7 +17,7 @@ import torch
 
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint
-from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probed, read_changes, unprobed
+from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probed, read_changes, unprobed, untouched
 from ddp_eval.state._probes import UNSET
 from ddp_eval.state._rebuilt import (
     extends,
@@ -87,9 +87,10 @@ class ProbeReadings:
                 self.notes.sets.add(top_label(self.label))
             self.notes.operands.setdefault(top_label(self.label), set()).update(
                 top_label(operand) for operand in self.probe._operands if operand)
-        self.probe = None
+        held, self.probe = self.probe, None
         if what == "same":
             set_value(self.owner, self.name, self.obj)  # the plain number back
+            self.spare = (self.obj, held) if untouched(held) else None  # placed again before the next batch
             return False
         if what == "derived":  # named below: what the batch left is this rank's value from here on
             self.obj = plain(value) if is_probe(value) else value

@@ -199,8 +199,8 @@ class MetricFinder:
                 items = enumerate(value[previous[1]:], previous[1])
         elif isinstance(value, Mapping):
             items = value.items()
-        elif isinstance(value, (list, tuple)):
-            items = enumerate(value)
+        elif isinstance(value, (list, tuple)):  # a list rebuilt (ids + [utt]): its entries' types in C speed
+            items = enumerate(value) if any(issubclass(kind, METRIC_TYPES) for kind in set(map(type, value))) else ()
         else:
             items = ()
             if isinstance(value, METRIC_TYPES):
