@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="ddp_eval",
-    version="0.9.24",
+    version="0.9.25",
     description="Exact, sharded validation/test and crash-safe checkpoints for SpeechBrain under torchrun",
     packages=find_packages(include=["ddp_eval", "ddp_eval.*"]),
     python_requires=">=3.9",

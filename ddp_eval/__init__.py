@@ -50,7 +50,7 @@ from ddp_eval.state.attribute_merge import merge_attribute_states
 from ddp_eval.state.metric_merge import merge_metric_stats
 from ddp_eval.state.metrics import find_metric_objects
 
-__version__ = "0.9.24"
+__version__ = "0.9.25"
 
 __all__ = [
     "DDPEvalMixin",
