@@ -153,5 +153,11 @@ def test_a_probe_no_batch_used_stands_in_again_and_a_used_or_kept_one_does_not(m
         assert untouched(holder.labels) and untouched(holder.text) and holder.text is not kept[0]
         slot = book.attributes.tracks["labels"]
         assert slot.compared and [op for _, op, _ in slot.events] == [Op.COMPARED]  # len() kept, replayed at the merge
+        holder.labels += ("d",)  # extended by scalars: still a probe's (only the tail was checked)
+        book.after_batch()
+        assert is_probe(holder.labels) and holder.labels == ("a", "b", "c", "d")
+        holder.labels += ([1],)  # a list in it: no probe stands in for it any more
+        book.after_batch()
+        assert not is_probe(holder.labels) and type(holder.labels) is tuple
     finally:
         book.release()

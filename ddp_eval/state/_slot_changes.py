@@ -17,7 +17,16 @@ import torch
 
 from ddp_eval.state import _recording
 from ddp_eval.state._explain import Fingerprint
-from ddp_eval.state._numbers import PROBED_TYPES, is_probe, plain, probed, read_changes, unprobed, untouched
+from ddp_eval.state._numbers import (
+    PROBED_TYPES,
+    is_probe,
+    plain,
+    probed,
+    read_changes,
+    scalars_only,
+    unprobed,
+    untouched,
+)
 from ddp_eval.state._probes import UNSET
 from ddp_eval.state._rebuilt import (
     extends,
@@ -112,7 +121,10 @@ class ProbeReadings:
             self.events.append((self.assigned_at, Op.OVER_NONE if self.over_none else Op.SET, plain_value(self.obj)))
             self.assigned_at, self.assignments, self.created = None, 0, False
         self.events.extend((batch, op, x) for op, x in (data if what == "ops" else [(Op.SET, data)]))
-        self.obj = plain(value)
+        before, self.obj = self.obj, plain(value)
+        if what == "ops" and type(self.obj) is tuple and self._probed_for is before:  # t += (x,): what it held
+            self._probed_for = self.obj  # was checked; only the tail needs to be (Slot._probed)
+            self._probed_answer = self._probed_answer and all(op == Op.CONCAT and scalars_only(x) for op, x in data)
         set_value(self.owner, self.name, self.obj)
         return True
 
