@@ -1205,16 +1205,33 @@ class HeapedByPartial(Heaped):
         self.push(_SCORES[b])
 
 
+class HeapedByLambda(Heaped):
+    def __init__(self):
+        super().__init__()
+        self.keep = lambda score: heapq.heappush(self.hardest, score)  # a callable the bytecode scan does not follow
+
+    def compute_objectives(self, b):
+        self.keep(_SCORES[b])
+
+
+class HeapedByLambdaOverARoot(HeapedByLambda):
+    def __init__(self):
+        super().__init__()
+        self.hardest = [0]  # every score is larger: no rank's heap moves an entry, and one process's does
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5]],
                                     [[0], [1], [2], [3], [4], [5], []]],
                          ids=["2", "6-one-batch-each", "7-one-idle"])
-@pytest.mark.parametrize("recipe", [Heaped, HeapedByHelper, HeapedThroughLocals, HeapedByPartial])
+@pytest.mark.parametrize("recipe", [Heaped, HeapedByHelper, HeapedThroughLocals, HeapedByPartial, HeapedByLambda,
+                                    HeapedByLambdaOverARoot])
 def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
     """``heapq.heappush(self.hardest, s)``: with one batch a rank each list holds one
     entry, no reorder shows, and the lists were merged as appends, not in heap order:
     silently wrong. The list given to ``heapq``'s C code, directly, through a helper,
-    locals or a ``functools.partial`` the Brain holds, is read whole in C: named."""
+    locals or a ``functools.partial`` the Brain holds, is read whole in C: named. Through
+    a lambda the scan does not follow, its length changed without its methods: named."""
     single = recipe()
     for b in range(6):
         single.compute_objectives(b)

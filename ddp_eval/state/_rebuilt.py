@@ -115,7 +115,7 @@ class _Record:
     cannot replay as increments (``writes``)."""
 
     __slots__ = ("root", "used", "read", "results", "sums", "writes", "aliased", "steered", "index_reads",
-                 "index_sets", "notes", "shape_read", "label", "made")
+                 "index_sets", "notes", "shape_read", "label", "made", "grown")
 
     def __init__(self, root: Any, notes: Any = None) -> None:
         self.root, self.used, self.results, self.sums, self.writes = root, False, [], [], []
@@ -127,6 +127,7 @@ class _Record:
         self.shape_read = False  # its length was read (len(x), x.shape): see _SHAPE_READS
         self.label = ""  # the watched value's
         self.made = False  # a defaultdict's factory made it for a new key during the batch
+        self.grown = 0  # an empty list's probe: how many entries its own methods put in (see in_place_writes)
 
     def note(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         root = self.root
@@ -491,12 +492,16 @@ def _changing(name: str, grows: bool = False):
             found: List[str] = []
             args = tuple(unprobed(arg, found, depth=1) for arg in args)
             record.notes.copied(found)
+        before = self._base.__len__(self)
         try:
             return getattr(self._base, name)(self, *args, **kwargs)
         except Exception as error:
             if grows and not isinstance(error, TypeError):
                 self._ddp_record.writes.append(f"{name}() (it raised {type(error).__name__})")
             raise
+        finally:
+            if self is record.root:  # not a list rebuilt from it (x = ids + [u]; x.append(v))
+                record.grown += self._base.__len__(self) - before
     method.__name__ = name
     return method
 
@@ -605,7 +610,10 @@ def handed_back(probe: Any, original: Any) -> bool:
     """After a batch: moves what a batch appended in place to an empty list's probe
     into the list it stood for; whether there was any."""
     if isinstance(probe, EmptyListProbe) and list.__len__(probe):
+        before = list.__len__(original)
         original.extend(list.__iter__(probe))
+        if is_recording(original):  # ddp_eval's own, after the batch: not C code's (ListWatch)
+            original.explained += list.__len__(original) - before
         return True
     return False
 
@@ -623,10 +631,16 @@ def read_through_data(probe: Any) -> bool:
     return bool(getattr(getattr(probe, "_ddp_record", None), "aliased", False))
 
 
+# a list whose length changed other than by its methods: C code wrote into its memory
+BYPASSED = "C code that writes into the list's memory without its methods (heapq's functions)"
+
+
 def in_place_writes(probe: Any) -> list:
     """The in-place changes of the probed value (or its views) a batch made that
     the merge cannot replay as increments (``mul_()``, ``x[i] = 0``, ``.data``)."""
     record = getattr(probe, "_ddp_record", None)
+    if isinstance(probe, EmptyListProbe) and list.__len__(probe) != record.grown:  # heapq.heappush(items, x)
+        record.writes.append(BYPASSED)
     return list(dict.fromkeys(getattr(record, "writes", ()))) if _recording.ENABLED else []
 
 

@@ -178,6 +178,7 @@ def _noting(kind: type, name: str):
             if found:
                 self._notes.copied(found)
         self._depth += 1
+        before = list.__len__(self) if self._depth == 1 and isinstance(self, list) else None
         try:
             return method(self, *args, **kwargs)
         except Exception as error:  # on this rank's entries; with every rank's, in one process, it may not raise
@@ -187,6 +188,8 @@ def _noting(kind: type, name: str):
             raise
         finally:
             self._depth -= 1
+            if before is not None:  # what its methods put in or took out: the rest, C code did (heapq)
+                self.explained += list.__len__(self) - before
     noted.__name__ = name
     return noted
 
@@ -233,6 +236,7 @@ class _Recording:
     steered = None  # the first growing operation a batch called after reading it
     label = ""  # the attribute it stands in for (set by the attribute tracker)
     made = False  # made by a batch as a dict's new entry (made_copy)
+    explained = 0  # a list's change of length its own methods made (ddp_eval.state._watches.ListWatch)
 
     def __reduce_ex__(self, protocol):  # pickles, copies and saves as the plain container
         plain = _rebuild(self._kind, _contents(self), _extra(self))

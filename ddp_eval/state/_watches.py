@@ -42,7 +42,7 @@ from ddp_eval.state._explain import SCALAR_TYPES, Fingerprint, captured_state, o
 from ddp_eval.state._numbers import PROBED_TYPES, is_probe, origin_of, plain, unprobed
 from ddp_eval.state._order import as_chunks, growth_since, packed
 from ddp_eval.state._probes import Factory
-from ddp_eval.state._rebuilt import in_place_writes, plain_value, read_from
+from ddp_eval.state._rebuilt import BYPASSED, in_place_writes, plain_value, read_from
 from ddp_eval.state._recording import made_otherwise_than_grown, plain_made
 from ddp_eval.state._values import (
     ABSENT,
@@ -226,6 +226,7 @@ class ListWatch(Watch):
         self.entries = {i: _entry(self, i, obj[i]) for i in range(len(obj))} if watched else {}
         self.active = {i for i, entry in self.entries.items() if entry.busy()}
         self.idle = None  # the entries not in active, and their objects (see _idle_moved)
+        self.at_batch_start: Optional[Tuple[int, int]] = None  # (length, explained) of a recording copy
         # entries held at stage start and not watched one by one: they must stay as they were
         self.kept = Fingerprint.of(obj) if created_at is None and obj and not watched else None
         if created_at is not None and obj:
@@ -234,6 +235,9 @@ class ListWatch(Watch):
     def before_batch(self) -> None:
         for i in self.active:
             self.entries[i].before_batch()
+        obj = self.obj  # a recording copy: how long it is, and what its methods explain of that
+        self.at_batch_start = (list.__len__(obj), obj.explained) if isinstance(obj, list) and \
+            _recording.is_recording(obj) else None
 
     def release(self) -> None:
         for entry in self.entries.values():
@@ -242,6 +246,11 @@ class ListWatch(Watch):
 
     def observe(self, batch: int, value: list) -> bool:
         changed = False
+        start, self.at_batch_start = self.at_batch_start, None
+        if start is not None and value is self.obj and len(value) - start[0] != value.explained - start[1]:
+            self.slot.fail(f"its length changed by {BYPASSED}, not by its own methods: on a rank it holds that "
+                           f"rank's batches' entries in that rank's order; {_recording.REMEDY[list]}")
+            return True
         if len(value) < self.length:
             self.slot.fail("entries were removed from the list")
             return True
@@ -419,6 +428,7 @@ class DictWatch(Watch):
         self.entries = {key: _entry(self, key, obj[key]) for key in keys}
         self.active = {key for key, entry in self.entries.items() if entry.busy()}  # looked at every batch
         self.idle = None  # the entries not in active, and their objects (see _idle_moved)
+        self.at_batch_start: Optional[Tuple[int, int]] = None  # (length, explained) of a recording copy
         # entries past the first ones: (key, value) compared by identity at stage end, and the
         # fingerprints of those that could change in place (none for numbers and strings)
         self.later_keys = list(itertools.islice(obj, self.room, None)) if created_at is None else []
