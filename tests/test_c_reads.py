@@ -1247,6 +1247,70 @@ def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
     assert "hardest" in named, named
 
 
+class ClosureReadsInC(Counting):
+    """A lambda on the Brain closing over ``self``, whose ``torch.tensor(self.correct)``
+    reads the watched count in C; what it steers is each rank's alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.passed = lambda: float(torch.tensor(self.correct)) > 1  # a callable the batch finds on the Brain
+
+    def _progress(self, b):
+        if self.passed():
+            self.late.append(b)
+
+
+class ClosureOverAHeldObject(Counting):
+    def __init__(self):
+        super().__init__()
+        tally = self.tally = types.SimpleNamespace(count=0)
+        self.dump = lambda: json.dumps(tally.count)  # closes over an object the Brain holds, not the Brain
+
+    def _progress(self, b):
+        self.tally.count += 1
+        self.late.append(self.dump())
+
+
+class ClosureThatOnlyAppends(Counting):
+    def __init__(self):
+        super().__init__()
+        self.keep = lambda x: self.late.append(x)
+
+    def _progress(self, b):
+        self.keep(b)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5], []]], ids=["2", "7"])
+@pytest.mark.parametrize("recipe", [ClosureReadsInC, ClosureOverAHeldObject])
+def test_a_watched_value_a_closure_on_the_brain_reads_in_c_is_named(recipe, layout):
+    """A function the Brain holds that reaches the Brain (or an object it holds) through
+    its closure, not its parameters, is scanned with its closure's variables: what it
+    reads in C is named with what it steered (silently wrong before)."""
+    assert {"correct", "tally.count"} & read_in_c_of(recipe())
+    single = recipe()
+    for b in range(sum(map(len, layout))):
+        single.compute_objectives(b)
+
+    def brain():
+        holder = recipe()
+        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        return holder
+    holders, records, merged = simulate_stage(layout, brain, lambda h, b: h.compute_objectives(b), DDPEvalConfig())
+    named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
+        label for record in records for label in record.report["unmergeable"]}
+    assert any(h.late != single.late for h in holders)
+    assert "late" in named, named
+
+
+@pytest.mark.fast
+def test_a_closure_that_only_appends_merges_exactly_and_names_nothing():
+    single, holders, merged = simulate(ClosureThatOnlyAppends, lambda h, b: h.compute_objectives(b),
+                                       [[0], [1, 2], [3], [4, 5]])
+    assert not merged.conflicts and not merged.assumed
+    assert all(h.late == single.late == list(range(6)) for h in holders)
+
+
 class OwnEntryInC(Counting):
     def __init__(self):
         super().__init__()

@@ -34,7 +34,8 @@ each parameter taken for the value given to it by position or keyword, a read of
 ``stats.count`` as one of ``self.stats.count``); the methods they call on the objects the Brain holds and
 on the entries of its dicts and lists, and the objects called
 (``self.stats.update(x)``, ``self.per_key[k].update(x)``,
-``self.hparams.meter(x)``, :func:`read_in_c_of`); and what a batch finds by name
+``self.hparams.meter(x)``, :func:`read_in_c_of`), a function held so with the
+Brain or what it holds in its closure (``self.passed = lambda: 2.5 < self.n``); and what a batch finds by name
 (``getattr(self, f"_update_{stage}")(x)``: each method of the recipe's own whose
 name fits ``_update_*``) or in a container (``self.handlers[stage](self, x)``: each
 function, bound method of the Brain's or callable object of the recipe's own held
@@ -197,7 +198,8 @@ def reach(brain: Any, copies: Optional[Dict[int, Any]] = None
                             continue
                         callback = _callback(target)
                         if callback:  # self.hparams.score(self.stats, x): as a module's function given them
-                            for selves, passed in _passed(target, held_calls, place, method, given).items():
+                            for selves, passed in {**_passed(target, held_calls, place, method, given),
+                                                   **_closed_over(callback, owner, copies)}.items():
                                 more_reads, more_calls = _as_given(*_scan_function(callback, selves, _DEPTH)[:2],
                                                                    passed)
                                 reads |= more_reads
@@ -225,6 +227,24 @@ def _place_of(owner: Any, held: Any) -> Optional[Tuple[str, ...]]:
             if any(found is held for found in values_at(value, (inner,))):
                 return (name, inner)
     return None
+
+
+def _closed_over(function: types.FunctionType, owner: Any, copies: Dict[int, Any]
+                 ) -> Dict[Tuple[str, ...], Set[str]]:
+    """``{(variable,): {path}}`` of ``function``'s closure variables that hold ``owner``
+    (``self.keep = lambda x: heapq.heappush(self.hard, x)``: path ``""``) or a value it
+    holds (``stats = self.stats; self.dump = lambda: json.dumps(stats.count)``), scanned
+    as parameters given them."""
+    found: Dict[Tuple[str, ...], Set[str]] = {}
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        where = () if held is owner else _place_of(owner, copies.get(id(held), held))
+        if where is not None:
+            found[(name,)] = {label_of(where)}
+    return found
 
 
 def _callback(value: Any) -> Optional[types.FunctionType]:
