@@ -1280,13 +1280,36 @@ class ClosureThatOnlyAppends(Counting):
         self.keep(b)
 
 
+class PercentFormatted(Counting):
+    def _progress(self, b):  # str's own % formats the probe's int in C: no method of the probe's runs
+        self.late.append("%d correct" % self.correct)
+
+
+class PercentFormattedTuple(Counting):
+    def _progress(self, b):
+        self.late.append("%d/%d" % (self.correct, b))
+
+
+class PropertyReadInC(Counting):
+    @property
+    def passed(self):  # the getter runs with the batch: 1.5 < self.correct reads the int in C
+        return 1.5 < self.correct
+
+    def _progress(self, b):
+        if self.passed:
+            self.late.append(b)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("layout", [[[0, 1, 2], [3, 4, 5]], [[0], [1], [2], [3], [4], [5], []]], ids=["2", "7"])
-@pytest.mark.parametrize("recipe", [ClosureReadsInC, ClosureOverAHeldObject])
-def test_a_watched_value_a_closure_on_the_brain_reads_in_c_is_named(recipe, layout):
+@pytest.mark.parametrize("recipe", [ClosureReadsInC, ClosureOverAHeldObject, PercentFormatted, PercentFormattedTuple,
+                                    PropertyReadInC])
+def test_a_watched_value_read_in_c_by_a_closure_a_format_or_a_property_is_named(recipe, layout):
     """A function the Brain holds that reaches the Brain (or an object it holds) through
-    its closure, not its parameters, is scanned with its closure's variables: what it
-    reads in C is named with what it steered (silently wrong before)."""
+    its closure, not its parameters, is scanned with its closure's variables; a number
+    a text's ``%`` formats (alone or in a tuple), and a property of the recipe's the batch
+    reads, are read in C: what they read is named with what it steered (silently wrong
+    before)."""
     assert {"correct", "tally.count"} & read_in_c_of(recipe())
     single = recipe()
     for b in range(sum(map(len, layout))):
@@ -1303,12 +1326,21 @@ def test_a_watched_value_a_closure_on_the_brain_reads_in_c_is_named(recipe, layo
     assert "late" in named, named
 
 
+class FormatsAConstant(Counting):
+    def __init__(self):
+        super().__init__()
+        self.unit = "utt"
+
+    def _progress(self, b):  # a value no batch changes, formatted in C: one process's
+        self.late.append("%s %d" % (self.unit, b))
+
+
 @pytest.mark.fast
-def test_a_closure_that_only_appends_merges_exactly_and_names_nothing():
-    single, holders, merged = simulate(ClosureThatOnlyAppends, lambda h, b: h.compute_objectives(b),
-                                       [[0], [1, 2], [3], [4, 5]])
+@pytest.mark.parametrize("recipe", [ClosureThatOnlyAppends, FormatsAConstant])
+def test_a_closure_that_only_appends_or_a_constant_formatted_merges_exactly_and_names_nothing(recipe):
+    single, holders, merged = simulate(recipe, lambda h, b: h.compute_objectives(b), [[0], [1, 2], [3], [4, 5]])
     assert not merged.conflicts and not merged.assumed
-    assert all(h.late == single.late == list(range(6)) for h in holders)
+    assert all(h.late == single.late and len(h.late) == 6 for h in holders)
 
 
 class OwnEntryInC(Counting):

@@ -313,6 +313,7 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
             scanned = _scan_function(function, function.__code__.co_varnames[:1], _DEPTH)
             found, called, named, given, held = (found | scanned[0], called | scanned[1], named | scanned[2],
                                                  given | scanned[3], held | scanned[4])
+            pending += _properties_read(function, owner_class)
         reads |= found
         pending += [name for name in found if isinstance(getattr(owner_class, name, None), types.FunctionType)]
         for fields, method in called:
@@ -323,6 +324,22 @@ def _scan(owner_class: type, methods: Tuple[str, ...]) -> Scan:
             else:
                 calls.add((fields, method))
     return frozenset(reads), frozenset(calls), frozenset(named), given, held
+
+
+def _properties_read(function: types.FunctionType, owner_class: type) -> List[str]:
+    """The properties of the recipe's on ``owner_class`` that ``function`` reads off its
+    first parameter (``if self.accuracy > best``): their getters run with the batch."""
+    me = function.__code__.co_varnames[:1]
+    names = []
+    for code, _ in _with_nested(function.__code__, me):
+        instructions = instructions_of(code)
+        for previous, instruction in zip(instructions, instructions[1:]):
+            if previous.opname in ("LOAD_FAST", "LOAD_DEREF") and previous.argval in me and instruction.opname in (
+                    "LOAD_ATTR", "LOAD_METHOD"):
+                found = inspect.getattr_static(owner_class, instruction.argval, None)
+                if isinstance(found, property) and _the_recipes(found.fget):
+                    names.append(instruction.argval)
+    return names
 
 
 def _held_callables(owner: Any, chain: Tuple[str, ...]) -> Iterator[Any]:
@@ -470,7 +487,8 @@ def _implementations(owner_class: type, name: str) -> List[types.FunctionType]:
     calls through ``super().name(...)``; decorated ones by their own code."""
     found = []
     for cls in owner_class.__mro__:
-        function = inspect.unwrap(vars(cls).get(name))
+        function = vars(cls).get(name)
+        function = inspect.unwrap(function.fget if isinstance(function, property) else function)  # its getter runs
         if not isinstance(function, types.FunctionType):
             continue
         found.append(function)

@@ -711,13 +711,28 @@ def _paired_in_loop(instructions: List[dis.Instruction], start: int, end: int) -
 def _right_operands(instructions: List[dis.Instruction], loads: Loads) -> Set[str]:
     found: Set[str] = set()
     for end, (start, paths) in loads.items():
+        taker = _taker(instructions, end)
+        if taker is not None and instructions[taker].opname in _DISPLAYS and _formats(
+                instructions, _taker(instructions, taker)):
+            found |= paths  # "%d/%d" % (self.n, b): the text's own % formats the tuple's entries in C
+            continue
         if end + 1 >= len(instructions) or instructions[end + 1].opname not in _OPERATORS or start < 1:
             continue
         left = instructions[start - 1]
-        if start - 1 in loads or (left.opname == "LOAD_CONST" and isinstance(left.argval, _SEEN_CONSTANTS)):
+        if start - 1 in loads or (left.opname == "LOAD_CONST" and isinstance(left.argval, _SEEN_CONSTANTS) and not (
+                isinstance(left.argval, (str, bytes)) and _formats(instructions, end + 1))):
             continue  # self.x + self.n: x's probe sees n as its operand; 2 * self.n: n's reflected method
-        found |= paths
+        found |= paths  # ("%d" % self.n: the text's % formats a number in C, no method of the probe's called)
     return found
+
+
+def _formats(instructions: List[dis.Instruction], at: Optional[int]) -> bool:
+    """Whether instruction ``at`` is ``%`` (``"%d" % n``: printf-style formatting)."""
+    if at is None:
+        return False
+    instruction = instructions[at]
+    return (instruction.opname == "BINARY_OP" and instruction.argrepr in ("%", "%=")) or instruction.opname in (
+        "BINARY_MODULO", "INPLACE_MODULO")
 
 
 def _call_arguments(code: types.CodeType, instructions: List[dis.Instruction], loads: Loads,
