@@ -337,6 +337,8 @@ class Brain:
         self.w_dumped, self.z_dumped, self.y_tally, self.i_tally = DumpedCount(), DumpedCount(), Count(), Count()
         self.a_tally, self.sp_tally, self.pk_tally, self.hr_tally = Count(), Count(), Count(), Count()
         self.dumpers = {"json": functools.partial(json.dumps, default=vars)}  # a library's function in a dict
+        self.cl_count, self.pf_count, self.pp_count = 0, 0, 0  # read by a closure, a text's %, a property
+        self.cl_passed = lambda: float(torch.tensor(self.cl_count)) > 1.5  # the Brain in its closure, not a parameter
         if start:  # a stage that starts from an earlier one's state
             self.c_list.append(9.5)
             self.t_list.append(torch.zeros(1, dtype=torch.float64))
@@ -445,8 +447,21 @@ class Brain:
             self.c_reads.append(2.5 * meter.count)
         elif read == "by name":
             getattr(self, f"_c_read_{'by_name'}")(b)
+        elif read == "closure":
+            self.cl_count += 1
+            self.c_reads.append(self.cl_passed())
+        elif read == "percent":
+            self.pf_count += 1
+            self.c_reads.append("%d/%d" % (self.pf_count, b) if b % 2 else "%d" % self.pf_count)
+        elif read == "property":
+            self.pp_count += 1
+            self.c_reads.append(self.pp_high)
         else:
             self.meter.update(value(b))
+
+    @property
+    def pp_high(self):  # a property of the recipe's: its getter runs in the batch, reading pp_count in C
+        return 1.5 < self.pp_count
 
 
     def _c_read_by_name(self, b):  # batch code found at run time: getattr(self, f"_c_read_{...}")
@@ -481,7 +496,9 @@ _C_READS = {  # operation -> the branch of Brain.compute_objectives it runs
     "read in C by a library's function held in a dict": "library in a dict",
     "read in C by a helper given a field ahead of a spread tuple": "spread",
     "read in C by a helper packing its arguments (*values)": "packed",
-    "read in C of what a function of the recipe's hparams hold hands back": "held returned"}
+    "read in C of what a function of the recipe's hparams hold hands back": "held returned",
+    "read in C by a closure on the Brain": "closure", "a number a text's % formats": "percent",
+    "read in C by a property's getter": "property"}
 
 
 def _pick_meter(meters, b):  # a function of the recipe's own, given a dict of the Brain's

@@ -178,7 +178,9 @@ def test_without_choices_running_extremes_are_named(monkeypatch):
                                        "read in C by a library's function held in a dict",
                                        "read in C by a helper given a field ahead of a spread tuple",
                                        "read in C by a helper packing its arguments (*values)",
-                                       "read in C of what a function of the recipe's hparams hold hands back"])
+                                       "read in C of what a function of the recipe's hparams hold hands back",
+                                       "read in C by a closure on the Brain", "a number a text's % formats",
+                                       "read in C by a property's getter"])
 def test_without_the_bytecode_scan_numbers_read_in_c_are_silently_wrong(monkeypatch, operation):
     """``2.5 * count`` through a local, a module's function given the Brain, a held
     object's method: a float reads a watched int in C, where no probe sees it. Without
