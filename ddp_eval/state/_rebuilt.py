@@ -639,7 +639,8 @@ def in_place_writes(probe: Any) -> list:
     """The in-place changes of the probed value (or its views) a batch made that
     the merge cannot replay as increments (``mul_()``, ``x[i] = 0``, ``.data``)."""
     record = getattr(probe, "_ddp_record", None)
-    if isinstance(probe, EmptyListProbe) and list.__len__(probe) != record.grown:  # heapq.heappush(items, x)
+    if isinstance(probe, EmptyListProbe) and probe is record.root and list.__len__(probe) != record.grown:
+        # heapq.heappush(items, x); not a list rebuilt from it (x = items + [u]), whose growth is its own
         record.writes.append(BYPASSED)
     return list(dict.fromkeys(getattr(record, "writes", ()))) if _recording.ENABLED else []
 
