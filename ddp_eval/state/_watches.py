@@ -428,7 +428,6 @@ class DictWatch(Watch):
         self.entries = {key: _entry(self, key, obj[key]) for key in keys}
         self.active = {key for key, entry in self.entries.items() if entry.busy()}  # looked at every batch
         self.idle = None  # the entries not in active, and their objects (see _idle_moved)
-        self.at_batch_start: Optional[Tuple[int, int]] = None  # (length, explained) of a recording copy
         # entries past the first ones: (key, value) compared by identity at stage end, and the
         # fingerprints of those that could change in place (none for numbers and strings)
         self.later_keys = list(itertools.islice(obj, self.room, None)) if created_at is None else []
