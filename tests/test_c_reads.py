@@ -1170,6 +1170,23 @@ def test_strings_and_sets_c_code_is_given_are_named():
 _SCORES = [5, 3, 8, 1, 9, 2]
 
 
+def _one_process_and_ranks(recipe, layout):
+    """``(one process, each simulated rank after the merge, the labels named)`` of
+    ``recipe``'s batches, run alone and split as ``layout`` says (defaults on)."""
+    single = recipe()
+    for b in range(sum(map(len, layout))):
+        single.compute_objectives(b)
+
+    def brain():
+        holder = recipe()
+        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
+        return holder
+    holders, records, merged = simulate_stage(layout, brain, lambda h, b: h.compute_objectives(b), DDPEvalConfig())
+    named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
+        label for record in records for label in record.report["unmergeable"]}
+    return single, holders, named
+
+
 def _keep_hardest(heap, score):  # a helper of the recipe's keeping a heap
     heapq.heappush(heap, score)
 
@@ -1232,17 +1249,7 @@ def test_a_list_heapq_keeps_is_named_even_with_one_batch_a_rank(recipe, layout):
     silently wrong. The list given to ``heapq``'s C code, directly, through a helper,
     locals or a ``functools.partial`` the Brain holds, is read whole in C: named. Through
     a lambda the scan does not follow, its length changed without its methods: named."""
-    single = recipe()
-    for b in range(6):
-        single.compute_objectives(b)
-
-    def brain():
-        holder = recipe()
-        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
-        return holder
-    holders, records, merged = simulate_stage(layout, brain, lambda h, b: h.compute_objectives(b), DDPEvalConfig())
-    named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
-        label for record in records for label in record.report["unmergeable"]}
+    single, holders, named = _one_process_and_ranks(recipe, layout)
     assert any(h.hardest != single.hardest for h in holders)
     assert "hardest" in named, named
 
@@ -1311,17 +1318,7 @@ def test_a_watched_value_read_in_c_by_a_closure_a_format_or_a_property_is_named(
     reads, are read in C: what they read is named with what it steered (silently wrong
     before)."""
     assert {"correct", "tally.count"} & read_in_c_of(recipe())
-    single = recipe()
-    for b in range(sum(map(len, layout))):
-        single.compute_objectives(b)
-
-    def brain():
-        holder = recipe()
-        holder._ddp_brain_attributes = frozenset({"_ddp_brain_attributes"})
-        return holder
-    holders, records, merged = simulate_stage(layout, brain, lambda h, b: h.compute_objectives(b), DDPEvalConfig())
-    named = {*merged.attributes.conflicts, *merged.attributes.assumed} | {
-        label for record in records for label in record.report["unmergeable"]}
+    single, holders, named = _one_process_and_ranks(recipe, layout)
     assert any(h.late != single.late for h in holders)
     assert "late" in named, named
 
